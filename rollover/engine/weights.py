@@ -1,0 +1,93 @@
+"""Write policy weights in the form vLLM's in-place reload reads.
+
+What vLLM 0.32 needs (read from `vllm/model_executor/model_loader/reload/inplace.py` and
+`default_loader.py`): `collective_rpc("reload_weights", weights_path=DIR)` points the
+default loader at DIR and reads every `*.safetensors` file in it (or only those named by a
+`model.safetensors.index.json`, if one is present). Tensor names are the Hugging Face
+checkpoint names (`model.layers.0.self_attn.q_proj.weight`, ...); the model's own
+`load_weights` maps them onto vLLM's fused layers. No config.json or tokenizer is read:
+architecture, dtype and tokenizer stay those the server started with. Tied weights may be
+written once (vLLM skips `lm_head.weight` when `tie_word_embeddings` is set).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _state_dict(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    if isinstance(model, torch.nn.Module):
+        return model.state_dict()
+    return model
+
+
+def _dedupe_shared(
+    tensors: Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Keep the first name of tensors that share storage (tied embeddings).
+
+    safetensors refuses aliased tensors, and vLLM re-ties them itself from the config.
+    """
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if t.device.type != "meta" and key in seen:
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
+
+
+def save_weights(
+    model: torch.nn.Module | Mapping[str, torch.Tensor],
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Save `model`'s weights as one safetensors file in `out_dir`, atomically.
+
+    The tensors are written into a fresh sibling temp folder that is then renamed to
+    `out_dir`, so a reader (the engine) never sees a half-written file. An existing
+    `out_dir` is replaced. `dtype` casts floating tensors (e.g. to the engine's dtype, to
+    halve the bytes written for a bfloat16 engine). Returns `out_dir` as an absolute path.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in _dedupe_shared(_state_dict(model)).items():
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        tensors[name] = t.to("cpu").contiguous()
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        # Data must be on disk before the rename makes it visible.
+        with open(tmp / WEIGHTS_FILE, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            # rename() cannot replace a non-empty folder: move the old one aside first.
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

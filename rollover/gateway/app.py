@@ -1,0 +1,367 @@
+"""The gateway: store REST API, recording proxy and pause/drain management in one FastAPI app."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Literal, TypeVar
+
+from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import TypeAdapter, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from rollover.gateway import auth
+from rollover.gateway.proxy import (
+    ENDPOINTS,
+    Forwarder,
+    ModelRegistry,
+    ProxyPauseState,
+    ProxySettings,
+    UpstreamError,
+    sse_from_response,
+)
+from rollover.store.models import (
+    EventCreate,
+    ModelEndpoint,
+    PauseRequest,
+    RolloutCreate,
+    RolloutState,
+    StatusPatch,
+)
+from rollover.store.sqlite import RolloutStore, StoreError
+
+T = TypeVar("T")
+
+
+@dataclass
+class GatewayState:
+    """Everything the gateway holds; owned by the app (no module-level state)."""
+
+    store: RolloutStore
+    admin_key: str
+    settings: ProxySettings = field(default_factory=ProxySettings)
+    max_body_bytes: int = 16 * 1024 * 1024
+    retry_after_seconds: float = 5
+    pause: ProxyPauseState = field(init=False)
+    registry: ModelRegistry = field(default_factory=ModelRegistry)
+    forwarder: Forwarder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pause = ProxyPauseState(self.retry_after_seconds)
+        self.forwarder = Forwarder(self.store, self.registry, self.settings)
+
+
+def error_response(status_code: int, error: str, reason: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": error, "reason": reason}, status_code=status_code, headers=headers)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over the limit with 413 before a route parses them."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _BodyTooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(413, "request too large", f"bodies are limited to {self.max_body_bytes} bytes")
+        await response(scope, receive, send)
+
+
+def _require_admin(request: Request) -> None:
+    state: GatewayState = request.app.state.gateway
+    key = auth.presented_key(request)
+    if not auth.is_admin(state.admin_key, key):
+        _refuse_key(key, "this endpoint needs the admin key")
+
+
+def _require_rollout_access(request: Request, rollout_id: str) -> None:
+    state: GatewayState = request.app.state.gateway
+    key = auth.presented_key(request)
+    if not auth.may_access_rollout(state.admin_key, key, rollout_id):
+        _refuse_key(key, f"the key is not valid for rollout {rollout_id}")
+
+
+def _refuse_key(key: str | None, reason: str) -> None:
+    if key is None:
+        raise HTTPException(401, "missing key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'")
+    if key.startswith(auth.SCOPED_PREFIX):
+        raise HTTPException(403, reason)
+    raise HTTPException(401, "invalid key")
+
+
+async def _json_body(request: Request) -> Any:
+    """The body as JSON whatever the Content-Type says (agents and curl are not always careful)."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HTTPException(400, f"body is not valid JSON: {exc}") from None
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise HTTPException(400, "body must be a JSON object")
+    return body
+
+
+async def _parse(request: Request, adapter: TypeAdapter[T], empty: T | None = None) -> T:
+    if empty is not None and not (await request.body()).strip():
+        return empty
+    try:
+        return adapter.validate_python(await _json_body(request))
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
+_ROLLOUTS = TypeAdapter(list[RolloutCreate] | RolloutCreate)
+_STATUS_PATCH = TypeAdapter(StatusPatch)
+_EVENT = TypeAdapter(EventCreate)
+_MODELS = TypeAdapter(list[ModelEndpoint] | ModelEndpoint)
+_PAUSE = TypeAdapter(PauseRequest)
+
+
+def create_app(
+    store: RolloutStore,
+    admin_key: str,
+    *,
+    settings: ProxySettings | None = None,
+    max_body_bytes: int = 16 * 1024 * 1024,
+    retry_after_seconds: float = 5,
+    close_store: bool = False,
+) -> FastAPI:
+    state = GatewayState(
+        store=store,
+        admin_key=admin_key,
+        settings=settings or ProxySettings(),
+        max_body_bytes=max_body_bytes,
+        retry_after_seconds=retry_after_seconds,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await state.forwarder.aclose()
+        if close_store:
+            store.close()
+
+    app = FastAPI(title="Rollover gateway", lifespan=lifespan)
+    app.state.gateway = state
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(exc.status_code, _ERROR_NAMES.get(exc.status_code, "error"), str(exc.detail), exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        reasons = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        return error_response(422, "invalid request", "; ".join(reasons))
+
+    @app.exception_handler(StoreError)
+    async def on_store_error(request: Request, exc: StoreError) -> JSONResponse:
+        return error_response(exc.status_code, _ERROR_NAMES.get(exc.status_code, "error"), str(exc))
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok"}
+
+    # -- store ----------------------------------------------------------------------------
+
+    @app.post("/api/rollouts", status_code=201)
+    async def create_rollouts(request: Request) -> list[dict[str, Any]]:
+        _require_admin(request)
+        body = await _parse(request, _ROLLOUTS)
+        items = body if isinstance(body, list) else [body]
+        return [r.model_dump(mode="json") for r in await store.add_rollouts(items)]
+
+    @app.get("/api/rollouts")
+    async def list_rollouts(
+        request: Request,
+        state_in: list[RolloutState] | None = Query(None),
+        rollout_id: list[str] | None = Query(None),
+        limit: int | None = Query(None, ge=1, le=100000),
+    ) -> list[dict[str, Any]]:
+        _require_admin(request)
+        rollouts = await store.list_rollouts(state_in=state_in, rollout_ids=rollout_id, limit=limit)
+        return [r.model_dump(mode="json") for r in rollouts]
+
+    @app.get("/api/rollouts/{rollout_id}")
+    async def get_rollout(request: Request, rollout_id: str) -> dict[str, Any]:
+        _require_rollout_access(request, rollout_id)
+        return (await store.get_rollout(rollout_id)).model_dump(mode="json")
+
+    @app.patch("/api/rollouts/{rollout_id}")
+    async def patch_rollout(request: Request, rollout_id: str) -> dict[str, Any]:
+        _require_admin(request)
+        body = await _parse(request, _STATUS_PATCH)
+        return (await store.update_status(rollout_id, body.status)).model_dump(mode="json")
+
+    @app.delete("/api/rollouts/{rollout_id}")
+    async def delete_rollout(request: Request, rollout_id: str) -> dict[str, Any]:
+        _require_admin(request)
+        await store.delete_rollout(rollout_id)
+        return {"deleted": rollout_id}
+
+    @app.post("/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", status_code=201)
+    async def add_event(request: Request, rollout_id: str, attempt_id: str) -> dict[str, Any]:
+        _require_rollout_access(request, rollout_id)
+        body = await _parse(request, _EVENT)
+        return (await store.add_event(rollout_id, attempt_id, body)).model_dump(mode="json")
+
+    @app.get("/api/rollouts/{rollout_id}/events")
+    async def list_events(
+        request: Request,
+        rollout_id: str,
+        event_type: str | None = None,
+        attempt_id: str | None = None,
+        format: Literal["raw", "triplet"] = "raw",
+    ) -> Any:
+        _require_rollout_access(request, rollout_id)
+        if format == "triplet":
+            return (await store.triplets(rollout_id, attempt_id)).model_dump(mode="json")
+        events = await store.list_events(rollout_id, event_type=event_type or None, attempt_id=attempt_id)
+        return [e.model_dump(mode="json") for e in events]
+
+    # -- models ---------------------------------------------------------------------------
+
+    @app.post("/api/models", status_code=201)
+    async def register_models(request: Request) -> list[dict[str, Any]]:
+        _require_admin(request)
+        body = await _parse(request, _MODELS)
+        state.registry.upsert(body if isinstance(body, list) else [body])
+        return [e.model_dump() for e in state.registry.endpoints]
+
+    @app.get("/api/models")
+    async def list_models(request: Request) -> list[dict[str, Any]]:
+        _require_admin(request)
+        return [e.model_dump() for e in state.registry.endpoints]
+
+    @app.delete("/api/models")
+    async def clear_models(request: Request) -> list[dict[str, Any]]:
+        _require_admin(request)
+        state.registry.endpoints = []
+        return []
+
+    # -- pause / drain --------------------------------------------------------------------
+
+    @app.post("/proxy/pause")
+    async def pause(request: Request) -> dict[str, Any]:
+        _require_admin(request)
+        body = await _parse(request, _PAUSE, empty=PauseRequest())
+        retry_after = state.retry_after_seconds if body.retry_after_seconds is None else body.retry_after_seconds
+        return (await state.pause.pause(body.reason, retry_after)).model_dump()
+
+    @app.post("/proxy/resume")
+    async def resume(request: Request) -> dict[str, Any]:
+        _require_admin(request)
+        return (await state.pause.resume()).model_dump()
+
+    @app.get("/proxy/state")
+    async def proxy_state(request: Request, wait_drained: float | None = Query(None, ge=0, le=3600)) -> dict[str, Any]:
+        _require_admin(request)
+        return (await state.pause.state(wait_drained)).model_dump()
+
+    # -- the proxy ------------------------------------------------------------------------
+
+    @app.get("/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1/models")
+    async def proxy_models(request: Request, rollout_id: str, attempt_id: str, mode: Literal["train", "val"]) -> dict[str, Any]:
+        _require_rollout_access(request, rollout_id)
+        names = sorted({e.model for e in state.registry.endpoints})
+        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "rollover"} for n in names]}
+
+    @app.post("/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1/{endpoint:path}")
+    async def proxy(request: Request, rollout_id: str, attempt_id: str, mode: Literal["train", "val"], endpoint: str) -> Response:
+        _require_rollout_access(request, rollout_id)
+        if endpoint not in ENDPOINTS:
+            raise HTTPException(404, f"the proxy serves {', '.join(ENDPOINTS)}, not {endpoint!r}")
+        body = await _json_object(request)
+        rollout = await store.get_rollout(rollout_id)
+        if rollout.state.terminal:
+            raise HTTPException(409, f"rollout {rollout_id} is already {rollout.state.value}")
+        if not any(a.attempt_id == attempt_id for a in rollout.attempts):
+            raise HTTPException(404, f"rollout {rollout_id} has no attempt {attempt_id}")
+        refused = await state.pause.try_enter()
+        if refused is not None:
+            seconds = refused.retry_after_seconds
+            header = str(int(seconds)) if float(seconds).is_integer() else str(seconds)
+            return JSONResponse(
+                {"error": "gateway paused", "reason": refused.reason},
+                status_code=429,
+                headers={"Retry-After": header, "X-Agl-Paused": "true"},
+            )
+        try:
+            status_code, data = await _forward_unless_disconnected(request, state, rollout_id, attempt_id, mode, endpoint, body)
+        except UpstreamError as exc:
+            return error_response(exc.status_code, "upstream error", exc.reason)
+        finally:
+            await state.pause.leave()
+        if body.get("stream") and status_code == 200:
+            return Response(sse_from_response(endpoint, data), media_type="text/event-stream")
+        return JSONResponse(data, status_code=status_code)
+
+    return app
+
+
+async def _forward_unless_disconnected(
+    request: Request, state: GatewayState, rollout_id: str, attempt_id: str, mode: Literal["train", "val"], endpoint: str, body: dict[str, Any]
+) -> tuple[int, dict[str, Any]]:
+    """Forward the call; if the agent hangs up first, cancel it so the engine stops generating."""
+    task = asyncio.create_task(state.forwarder.forward(rollout_id, attempt_id, mode, endpoint, body))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            raise UpstreamError(499, "client disconnected; upstream call cancelled")
+
+
+_ERROR_NAMES = {
+    400: "bad request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not found",
+    409: "conflict",
+    413: "request too large",
+    422: "invalid request",
+    429: "gateway paused",
+    502: "upstream error",
+    503: "upstream unavailable",
+}

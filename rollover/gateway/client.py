@@ -1,0 +1,158 @@
+"""Async client of the gateway's REST API, used by the trainer, the controller and the engine."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Literal
+
+import httpx
+
+from rollover.gateway.auth import scoped_key
+from rollover.store.models import (
+    Event,
+    ModelEndpoint,
+    ProxyState,
+    Rollout,
+    RolloutCreate,
+    RolloutState,
+    TripletBundle,
+)
+
+
+class GatewayError(Exception):
+    def __init__(self, status_code: int, reason: str) -> None:
+        super().__init__(f"gateway answered {status_code}: {reason}")
+        self.status_code = status_code
+        self.reason = reason
+
+
+class ConflictError(GatewayError):
+    """HTTP 409: an illegal state transition, e.g. claiming a rollout someone else claimed."""
+
+
+class NotFoundError(GatewayError):
+    pass
+
+
+class GatewayClient:
+    def __init__(self, base_url: str, admin_key: str, *, timeout: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.admin_key = admin_key
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {admin_key}"},
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=64),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "GatewayClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = await self._http.request(method, path, **kwargs)
+        if response.status_code >= 400:
+            try:
+                reason = response.json().get("reason", response.text)
+            except ValueError:
+                reason = response.text
+            error = {409: ConflictError, 404: NotFoundError}.get(response.status_code, GatewayError)
+            raise error(response.status_code, reason)
+        return response.json()
+
+    # -- agent-facing URLs ----------------------------------------------------------------
+
+    def proxy_base_url(self, rollout_id: str, attempt_id: str, mode: Literal["train", "val"] = "train") -> str:
+        return f"{self.base_url}/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1"
+
+    def event_url(self, rollout_id: str, attempt_id: str) -> str:
+        return f"{self.base_url}/api/rollouts/{rollout_id}/attempt/{attempt_id}/events"
+
+    def scoped_key(self, rollout_id: str) -> str:
+        return scoped_key(self.admin_key, rollout_id)
+
+    # -- store ----------------------------------------------------------------------------
+
+    async def health(self) -> bool:
+        try:
+            return (await self._http.get("/healthz")).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    async def enqueue(self, rollouts: Iterable[RolloutCreate | dict[str, Any]]) -> list[Rollout]:
+        body = [r.model_dump(mode="json", exclude_none=True) if isinstance(r, RolloutCreate) else r for r in rollouts]
+        return [Rollout.model_validate(r) for r in await self._request("POST", "/api/rollouts", json=body)]
+
+    async def get_rollout(self, rollout_id: str) -> Rollout:
+        return Rollout.model_validate(await self._request("GET", f"/api/rollouts/{rollout_id}"))
+
+    async def list_rollouts(
+        self,
+        state_in: Iterable[RolloutState | str] | None = None,
+        rollout_ids: Iterable[str] | None = None,
+        limit: int | None = None,
+    ) -> list[Rollout]:
+        states = [RolloutState(s).value for s in state_in or ()]
+        if rollout_ids is None:
+            return await self._list_page(states, None, limit)
+        ids = list(rollout_ids)
+        found: list[Rollout] = []
+        # Chunks keep the query string of a large window well under URL limits.
+        for start in range(0, len(ids), 150):
+            found += await self._list_page(states, ids[start : start + 150], limit)
+        return found
+
+    async def _list_page(self, states: list[str], ids: list[str] | None, limit: int | None) -> list[Rollout]:
+        params: list[tuple[str, str | int]] = [("state_in", s) for s in states]
+        params += [("rollout_id", i) for i in ids or ()]
+        if limit is not None:
+            params.append(("limit", limit))
+        return [Rollout.model_validate(r) for r in await self._request("GET", "/api/rollouts", params=params)]
+
+    async def update_status(self, rollout_id: str, **fields: Any) -> Rollout:
+        if isinstance(fields.get("state"), RolloutState):
+            fields["state"] = fields["state"].value
+        body = {"status": fields}
+        return Rollout.model_validate(await self._request("PATCH", f"/api/rollouts/{rollout_id}", json=body))
+
+    async def delete_rollout(self, rollout_id: str) -> None:
+        await self._request("DELETE", f"/api/rollouts/{rollout_id}")
+
+    async def add_event(self, rollout_id: str, attempt_id: str, event_type: str, data: Any) -> Event:
+        body = {"event_type": event_type, "data": data}
+        return Event.model_validate(
+            await self._request("POST", f"/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", json=body)
+        )
+
+    async def events(self, rollout_id: str, event_type: str | None = None, attempt_id: str | None = None) -> list[Event]:
+        params = {k: v for k, v in {"event_type": event_type, "attempt_id": attempt_id}.items() if v}
+        return [Event.model_validate(e) for e in await self._request("GET", f"/api/rollouts/{rollout_id}/events", params=params)]
+
+    async def triplets(self, rollout_id: str, attempt_id: str | None = None) -> TripletBundle:
+        params = {"format": "triplet", **({"attempt_id": attempt_id} if attempt_id else {})}
+        return TripletBundle.model_validate(await self._request("GET", f"/api/rollouts/{rollout_id}/events", params=params))
+
+    # -- models and pause -----------------------------------------------------------------
+
+    async def register_models(self, endpoints: Iterable[ModelEndpoint | dict[str, Any]]) -> list[ModelEndpoint]:
+        body = [e.model_dump() if isinstance(e, ModelEndpoint) else e for e in endpoints]
+        return [ModelEndpoint.model_validate(e) for e in await self._request("POST", "/api/models", json=body)]
+
+    async def clear_models(self) -> None:
+        await self._request("DELETE", "/api/models")
+
+    async def pause(self, reason: str | None = None, retry_after_seconds: float = 5) -> ProxyState:
+        body = {"reason": reason, "retry_after_seconds": retry_after_seconds}
+        return ProxyState.model_validate(await self._request("POST", "/proxy/pause", json=body, timeout=300))
+
+    async def resume(self) -> ProxyState:
+        return ProxyState.model_validate(await self._request("POST", "/proxy/resume"))
+
+    async def proxy_state(self, wait_drained: float | None = None) -> ProxyState:
+        params = {"wait_drained": wait_drained} if wait_drained else {}
+        timeout = (wait_drained or 0) + 30
+        return ProxyState.model_validate(await self._request("GET", "/proxy/state", params=params, timeout=timeout))

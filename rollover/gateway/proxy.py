@@ -1,0 +1,244 @@
+"""The recording OpenAI-compatible proxy and its pause/drain state."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from rollover.store.models import EventCreate, ModelEndpoint, ProxyState
+from rollover.store.sqlite import RolloutStore
+
+Mode = Literal["train", "val"]
+ENDPOINTS = ("chat/completions", "completions")
+
+
+class ProxyPauseState:
+    """`paused`, `inflight` and `reason`, guarded by one asyncio.Lock as in the seed."""
+
+    def __init__(self, retry_after_seconds: float = 5) -> None:
+        self.paused = False
+        self.reason: str | None = None
+        self.retry_after_seconds = retry_after_seconds
+        self.inflight = 0
+        self._lock = asyncio.Lock()
+        self._changed = asyncio.Condition(self._lock)
+        self._paused_since: float | None = None
+        self._paused_total = 0.0
+
+    def _paused_seconds_total(self) -> float:
+        running = time.monotonic() - self._paused_since if self._paused_since is not None else 0.0
+        return self._paused_total + running
+
+    def _snapshot(self) -> ProxyState:
+        return ProxyState(
+            paused=self.paused,
+            retry_after_seconds=self.retry_after_seconds,
+            reason=self.reason,
+            inflight=self.inflight,
+            paused_seconds_total=round(self._paused_seconds_total(), 6),
+        )
+
+    async def pause(self, reason: str | None, retry_after_seconds: float) -> ProxyState:
+        async with self._lock:
+            if not self.paused:
+                self._paused_since = time.monotonic()
+            self.paused = True
+            self.reason = reason
+            self.retry_after_seconds = retry_after_seconds
+            return self._snapshot()
+
+    async def resume(self) -> ProxyState:
+        async with self._lock:
+            if self._paused_since is not None:
+                self._paused_total += time.monotonic() - self._paused_since
+                self._paused_since = None
+            self.paused = False
+            self.reason = None
+            return self._snapshot()
+
+    async def state(self, wait_drained: float | None = None) -> ProxyState:
+        async with self._changed:
+            if wait_drained:
+                try:
+                    await asyncio.wait_for(
+                        self._changed.wait_for(lambda: self.inflight == 0), wait_drained
+                    )
+                except asyncio.TimeoutError:
+                    pass
+            return self._snapshot()
+
+    async def try_enter(self) -> ProxyState | None:
+        """Count a new call in flight, or return the state that refuses it while paused."""
+        async with self._lock:
+            if self.paused:
+                return self._snapshot()
+            self.inflight += 1
+            return None
+
+    async def leave(self) -> None:
+        async with self._changed:
+            self.inflight -= 1
+            self._changed.notify_all()
+
+
+class UpstreamError(Exception):
+    def __init__(self, status_code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status_code = status_code
+        self.reason = reason
+
+
+@dataclass
+class ProxySettings:
+    train_temperature: float = 1.0
+    val_temperature: float = 0.0
+    upstream_timeout_seconds: float = 600
+    upstream_retries: int = 3
+    retry_backoff_seconds: float = 0.5
+
+
+@dataclass
+class ModelRegistry:
+    endpoints: list[ModelEndpoint] = field(default_factory=list)
+
+    def upsert(self, items: list[ModelEndpoint]) -> None:
+        by_endpoint = {e.endpoint: e for e in self.endpoints}
+        for item in items:
+            by_endpoint[item.endpoint] = item
+        self.endpoints = list(by_endpoint.values())
+
+    def pick(self, rollout_id: str) -> ModelEndpoint | None:
+        """Sticky per rollout: a multi-turn agent keeps hitting the same engine's prefix cache."""
+        if not self.endpoints:
+            return None
+        digest = int.from_bytes(hashlib.sha1(rollout_id.encode()).digest()[:8], "big")
+        return self.endpoints[digest % len(self.endpoints)]
+
+
+def prepare_request(body: dict[str, Any], endpoint: str, mode: Mode, model: str, settings: ProxySettings) -> dict[str, Any]:
+    """Force the served model, the mode's temperature, token ids and (train) logprobs."""
+    upstream = dict(body)
+    upstream["model"] = model
+    upstream["temperature"] = settings.train_temperature if mode == "train" else settings.val_temperature
+    upstream["return_token_ids"] = True
+    upstream["stream"] = False
+    upstream.pop("stream_options", None)
+    if mode == "train":
+        if endpoint == "chat/completions":
+            upstream["logprobs"] = True
+        elif not isinstance(upstream.get("logprobs"), int) or isinstance(upstream.get("logprobs"), bool):
+            upstream["logprobs"] = 0
+    return upstream
+
+
+def extract_tokens(endpoint: str, response: dict[str, Any]) -> dict[str, Any]:
+    """Token ids and sampled-token logprobs of the first choice of a vLLM response."""
+    choices = response.get("choices") or [{}]
+    choice = choices[0] if isinstance(choices[0], dict) else {}
+    if endpoint == "chat/completions":
+        prompt_ids = response.get("prompt_token_ids")
+        content = (choice.get("logprobs") or {}).get("content")
+        logprobs = [item.get("logprob") for item in content] if content else None
+    else:
+        prompt_ids = choice.get("prompt_token_ids")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+    return {
+        "prompt_token_ids": prompt_ids,
+        "response_token_ids": choice.get("token_ids"),
+        "response_logprobs": logprobs,
+    }
+
+
+def sse_from_response(endpoint: str, response: dict[str, Any]) -> bytes:
+    """Replay a finished completion as a server-sent event stream for clients that asked to stream."""
+    chunks = []
+    kind = "chat.completion.chunk" if endpoint == "chat/completions" else "text_completion"
+    for choice in response.get("choices", []):
+        if endpoint == "chat/completions":
+            message = choice.get("message") or {}
+            delta = {k: v for k, v in message.items() if v is not None}
+            payload_choice = {"index": choice.get("index", 0), "delta": delta, "finish_reason": choice.get("finish_reason")}
+        else:
+            payload_choice = {"index": choice.get("index", 0), "text": choice.get("text", ""), "finish_reason": choice.get("finish_reason")}
+        chunk = {k: response.get(k) for k in ("id", "created", "model")}
+        chunk.update(object=kind, choices=[payload_choice])
+        chunks.append(chunk)
+    if response.get("usage"):
+        chunks.append({k: response.get(k) for k in ("id", "created", "model")} | {"object": kind, "choices": [], "usage": response["usage"]})
+    lines = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks] + ["data: [DONE]\n\n"]
+    return "".join(lines).encode()
+
+
+class Forwarder:
+    """Calls the upstream engine with retries on 5xx and timeouts, and records the call."""
+
+    def __init__(self, store: RolloutStore, registry: ModelRegistry, settings: ProxySettings) -> None:
+        self.store = store
+        self.registry = registry
+        self.settings = settings
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.upstream_timeout_seconds, connect=10.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def _post_with_retries(self, url: str, payload: dict[str, Any]) -> httpx.Response:
+        attempts = self.settings.upstream_retries + 1
+        last_reason = ""
+        status = 502
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(self.settings.retry_backoff_seconds * 2 ** (attempt - 1))
+            try:
+                response = await self.client.post(url, json=payload)
+            except httpx.TimeoutException as exc:
+                status, last_reason = 504, f"upstream timed out: {exc!r}"
+                continue
+            except httpx.TransportError as exc:
+                status, last_reason = 503, f"upstream unreachable at {url}: {exc!r}"
+                continue
+            if response.status_code >= 500:
+                status, last_reason = 502, f"upstream returned {response.status_code}: {response.text[:500]}"
+                continue
+            return response
+        raise UpstreamError(status, f"{last_reason} (after {attempts} attempts)")
+
+    async def forward(
+        self, rollout_id: str, attempt_id: str, mode: Mode, endpoint: str, body: dict[str, Any]
+    ) -> tuple[int, dict[str, Any]]:
+        target = self.registry.pick(rollout_id)
+        if target is None:
+            raise UpstreamError(503, "no inference endpoint registered (POST /api/models first)")
+        payload = prepare_request(body, endpoint, mode, target.model, self.settings)
+        started = time.monotonic()
+        response = await self._post_with_retries(f"{target.endpoint.rstrip('/')}/{endpoint}", payload)
+        latency = time.monotonic() - started
+        try:
+            data = response.json()
+        except ValueError:
+            raise UpstreamError(502, f"upstream returned non-JSON: {response.text[:300]}") from None
+        if not isinstance(data, dict):
+            raise UpstreamError(502, "upstream returned a JSON value that is not an object")
+        record = {
+            "mode": mode,
+            "endpoint": endpoint,
+            "model": target.model,
+            "upstream": target.endpoint,
+            "request": body,
+            "response": data,
+            "policy_version": target.policy_version,
+            "latency_s": latency,
+            "status_code": response.status_code,
+        }
+        if response.status_code == 200:
+            record.update(extract_tokens(endpoint, data))
+        await self.store.add_event(rollout_id, attempt_id, EventCreate(event_type="model_request", data=record))
+        return response.status_code, data

@@ -1,0 +1,162 @@
+"""Wire models of the rollout store, shared by the gateway, its client and the trainer."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RolloutState(str, Enum):
+    QUEUING = "queuing"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RolloutState.SUCCEEDED, RolloutState.FAILED)
+
+
+LEGAL_TRANSITIONS: dict[RolloutState, frozenset[RolloutState]] = {
+    RolloutState.QUEUING: frozenset({RolloutState.RUNNING, RolloutState.FAILED}),
+    # running -> queuing re-queues a failed attempt that has retries left
+    RolloutState.RUNNING: frozenset(
+        {RolloutState.SUCCEEDED, RolloutState.FAILED, RolloutState.QUEUING}
+    ),
+    RolloutState.SUCCEEDED: frozenset(),
+    RolloutState.FAILED: frozenset(),
+}
+
+ABORTED_PREFIX = "aborted"
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LocalRolloutConfig(_Wire):
+    agent_class: str | None = None
+    env_map: dict[str, str] = {}
+
+
+class K8sRolloutConfig(_Wire):
+    job_template: str | None = None
+
+
+class RolloutConfig(_Wire):
+    timeout_seconds: float | None = Field(None, gt=0)
+    local: LocalRolloutConfig = LocalRolloutConfig()
+    k8s: K8sRolloutConfig = K8sRolloutConfig()
+
+
+class RolloutCreate(_Wire):
+    input: Any = None
+    is_train: bool = True
+    config: RolloutConfig = RolloutConfig()
+    metadata: dict[str, Any] = {}
+    rollout_id: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")
+
+
+class RolloutStatus(_Wire):
+    state: RolloutState = RolloutState.QUEUING
+    k8s_job_name: str | None = None
+    last_attempt_id: str | None = None
+    error_message: str | None = None
+
+
+class StatusPatch(_Wire):
+    """Body of `PATCH /api/rollouts/{id}`: only `status` may change."""
+
+    status: "StatusFields"
+
+
+class StatusFields(_Wire):
+    state: RolloutState | None = None
+    k8s_job_name: str | None = None
+    last_attempt_id: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")
+    error_message: str | None = Field(None, max_length=65536)
+
+
+StatusPatch.model_rebuild()
+
+
+class Attempt(_Wire):
+    attempt_id: str
+    state: RolloutState
+    started_at: float
+    finished_at: float | None = None
+    error_message: str | None = None
+
+
+class Rollout(_Wire):
+    rollout_id: str
+    input: Any = None
+    is_train: bool = True
+    config: RolloutConfig = RolloutConfig()
+    metadata: dict[str, Any] = {}
+    status: RolloutStatus = RolloutStatus()
+    attempts: list[Attempt] = []
+    created_at: float
+    updated_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def state(self) -> RolloutState:
+        return self.status.state
+
+    @property
+    def aborted(self) -> bool:
+        return self.state == RolloutState.FAILED and (self.status.error_message or "").startswith(
+            ABORTED_PREFIX
+        )
+
+
+class EventCreate(_Wire):
+    event_type: str = Field(min_length=1, max_length=200)
+    data: Any = None
+
+
+class Event(_Wire):
+    event_id: int
+    rollout_id: str
+    attempt_id: str
+    event_type: str
+    data: Any = None
+    created_at: float
+
+
+class Triplet(_Wire):
+    event_id: int
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_logprobs: list[float] | None = None
+    policy_version: int | None = None
+
+
+class TripletBundle(_Wire):
+    rollout_id: str
+    attempt_id: str | None
+    reward: float | None
+    triplets: list[Triplet]
+
+
+class ModelEndpoint(_Wire):
+    model: str = Field(min_length=1)
+    endpoint: str = Field(min_length=1, pattern=r"^https?://")
+    policy_version: int = Field(0, ge=0)
+
+
+class PauseRequest(_Wire):
+    reason: str | None = Field(None, max_length=1000)
+    retry_after_seconds: float | None = Field(None, ge=0, le=3600)  # None: the gateway's default
+
+
+class ProxyState(_Wire):
+    paused: bool
+    retry_after_seconds: float
+    reason: str | None
+    inflight: int
+    paused_seconds_total: float = 0.0

@@ -1,0 +1,56 @@
+"""Per-token log-probabilities of a sequence under a Hugging Face causal LM.
+
+The output is target-aligned like ``samples.collate``: column ``t`` is
+``log p(input_ids[:, t+1] | input_ids[:, :t+1])``. Batches must be right-padded (position ids
+are then the default 0..L-1); values at padded columns are finite but meaningless, so mask them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    micro_batch_size: int | None = None,
+) -> torch.Tensor:
+    """``[B, L-1]`` float32 log-probabilities of each next token, logits divided by ``temperature``.
+
+    Gradients flow when the caller is in grad mode (the policy update); wrap the call in
+    ``torch.no_grad()`` to recompute π_old cheaply. ``micro_batch_size`` bounds how many rows
+    go through the model at once (None: the whole batch), which bounds the [b, L, V] logits.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+        raise ValueError(
+            f"input_ids and attention_mask must both be [B, L]; got {tuple(input_ids.shape)} "
+            f"and {tuple(attention_mask.shape)}"
+        )
+    batch = input_ids.shape[0]
+    step = batch if micro_batch_size is None else micro_batch_size
+    if step <= 0:
+        raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
+
+    chunks: list[torch.Tensor] = []
+    for start in range(0, batch, step):
+        ids = input_ids[start : start + step]
+        mask = attention_mask[start : start + step]
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        chunks.append(_next_token_logprobs(logits[:, :-1], ids[:, 1:], temperature))
+    return torch.cat(chunks, dim=0)
+
+
+def _next_token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    # log p(y) = z_y - logsumexp(z): gathering first avoids materialising a second [b, L, V]
+    # log-softmax tensor; float32 keeps the normaliser accurate for bf16 models.
+    scaled = logits.float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)

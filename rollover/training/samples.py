@@ -1,0 +1,178 @@
+"""Turn a rollout's recorded model calls into training sequences, and pad them into a batch.
+
+A *triplet* is one recorded model call (the gateway's ``format=triplet`` view):
+``{"prompt_token_ids", "response_token_ids", "response_logprobs", "policy_version"}``.
+
+Merging (SPEC §5): calls are walked in order. When a call's prompt starts with the whole
+sequence built so far (previous prompts + responses + earlier extensions), only the new tail is
+appended: the tokens between the previous response and the new response are tool/env output
+and get ``loss_mask = 0``; the new response gets ``loss_mask = 1``. Any other call starts a new
+sample. Every sample of a rollout carries the rollout's reward (and later its advantage).
+
+Alignment convention of ``collate`` (important for the trainer):
+
+- ``input_ids`` and ``attention_mask`` are ``[B, L]``, right-padded.
+- Every other per-token tensor is *target-aligned* and ``[B, L-1]``: column ``t`` describes the
+  token ``input_ids[:, t+1]``, i.e. the token predicted from the prefix ``input_ids[:, :t+1]``.
+  This is exactly the layout of ``logprobs.token_logprobs``, so ``loss_mask[:, t]``,
+  ``behaviour_logprobs[:, t]`` and the model's ``logprobs[:, t]`` all refer to the same token.
+  The first token of a sample is never a target; it is always a prompt token anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One training sequence. All per-token lists have the length of ``input_ids``."""
+
+    rollout_id: str
+    group_id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    behaviour_logprobs: list[float]
+    token_versions: list[int]
+    reward: float
+    advantage: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class _Builder:
+    input_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    behaviour_logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+
+    def add_context(self, tokens: Sequence[int]) -> None:
+        self.input_ids.extend(tokens)
+        self.loss_mask.extend([0] * len(tokens))
+        self.behaviour_logprobs.extend([0.0] * len(tokens))
+        self.token_versions.extend([-1] * len(tokens))
+
+    def add_response(self, tokens: Sequence[int], logprobs: Sequence[float], version: int) -> None:
+        self.input_ids.extend(tokens)
+        self.loss_mask.extend([1] * len(tokens))
+        self.behaviour_logprobs.extend(float(x) for x in logprobs)
+        self.token_versions.extend([version] * len(tokens))
+
+    def extends_into(self, prompt: Sequence[int]) -> bool:
+        n = len(self.input_ids)
+        return n > 0 and len(prompt) >= n and list(prompt[:n]) == self.input_ids
+
+
+def build_samples(
+    rollout_id: str,
+    group_id: str,
+    triplets: Sequence[Mapping[str, Any]],
+    reward: float,
+    max_length: int | None,
+) -> list[Sample]:
+    """Merge a rollout's calls (in call order) into as few samples as the prefix rule allows.
+
+    A response recorded without logprobs (``response_logprobs`` is None) gets NaN behaviour
+    logprobs: this module cannot know the right fallback, so the caller must either recompute
+    them, replace them (e.g. with π_old) or switch rollout correction off; NaN left on masked
+    tokens would poison the importance weights.
+
+    Samples longer than ``max_length`` are cut from the right (later tokens dropped, all lists
+    kept aligned). A sample left with no loss tokens (e.g. its prompt alone exceeds
+    ``max_length``, or the model returned nothing) teaches nothing and is dropped.
+    """
+    if max_length is not None and max_length < 2:
+        raise ValueError(f"max_length must be at least 2, got {max_length}")
+
+    builders: list[_Builder] = []
+    current: _Builder | None = None
+    for position, triplet in enumerate(triplets):
+        prompt = [int(t) for t in triplet["prompt_token_ids"]]
+        response = [int(t) for t in triplet["response_token_ids"]]
+        version = int(triplet["policy_version"])
+        recorded = triplet.get("response_logprobs")
+        if recorded is None:
+            logprobs = [math.nan] * len(response)
+        else:
+            logprobs = [float(x) for x in recorded]
+            if len(logprobs) != len(response):
+                raise ValueError(
+                    f"rollout {rollout_id} call {position}: {len(logprobs)} logprobs for "
+                    f"{len(response)} response tokens"
+                )
+
+        if current is not None and current.extends_into(prompt):
+            current.add_context(prompt[len(current.input_ids) :])
+        else:
+            current = _Builder()
+            builders.append(current)
+            current.add_context(prompt)
+        current.add_response(response, logprobs, version)
+
+    samples: list[Sample] = []
+    for builder in builders:
+        end = len(builder.input_ids) if max_length is None else max_length
+        sample = Sample(
+            rollout_id=rollout_id,
+            group_id=group_id,
+            input_ids=builder.input_ids[:end],
+            loss_mask=builder.loss_mask[:end],
+            behaviour_logprobs=builder.behaviour_logprobs[:end],
+            token_versions=builder.token_versions[:end],
+            reward=float(reward),
+        )
+        if sample.num_loss_tokens > 0:
+            samples.append(sample)
+    return samples
+
+
+def collate(samples: Sequence[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad samples into a batch; see the module docstring for the alignment.
+
+    Returns ``input_ids`` [B, L] long, ``attention_mask`` [B, L] long, and target-aligned
+    [B, L-1] tensors: ``loss_mask`` float32 (0/1), ``behaviour_logprobs`` float32 (0 on padding),
+    ``advantages`` float32 (the sample's advantage on its loss tokens, 0 elsewhere) and
+    ``token_versions`` long (-1 off the loss mask).
+    """
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    batch = len(samples)
+    length = max(len(s) for s in samples)
+
+    input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, length), dtype=torch.long)
+    loss_mask = torch.zeros((batch, length), dtype=torch.float32)
+    behaviour = torch.zeros((batch, length), dtype=torch.float32)
+    versions = torch.full((batch, length), -1, dtype=torch.long)
+    advantages = torch.zeros((batch, length), dtype=torch.float32)
+
+    for row, sample in enumerate(samples):
+        n = len(sample)
+        input_ids[row, :n] = torch.tensor(sample.input_ids, dtype=torch.long)
+        attention_mask[row, :n] = 1
+        mask_row = torch.tensor(sample.loss_mask, dtype=torch.float32)
+        loss_mask[row, :n] = mask_row
+        behaviour[row, :n] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
+        versions[row, :n] = torch.tensor(sample.token_versions, dtype=torch.long)
+        advantages[row, :n] = mask_row * sample.advantage
+
+    # Column t of a target-aligned tensor describes input_ids[:, t+1].
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask[:, 1:].contiguous(),
+        "behaviour_logprobs": behaviour[:, 1:].contiguous(),
+        "advantages": advantages[:, 1:].contiguous(),
+        "token_versions": versions[:, 1:].contiguous(),
+    }

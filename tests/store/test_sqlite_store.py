@@ -1,0 +1,133 @@
+import asyncio
+import sqlite3
+
+import pytest
+
+from rollover.store import (
+    EventCreate,
+    IllegalTransition,
+    RolloutCreate,
+    RolloutNotFound,
+    RolloutState,
+    RolloutStore,
+    StatusFields,
+)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = RolloutStore(tmp_path / "store.db")
+    yield s
+    s.close()
+
+
+def test_file_store_uses_wal(tmp_path):
+    s = RolloutStore(tmp_path / "wal.db")
+    s.close()
+    mode = sqlite3.connect(tmp_path / "wal.db").execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+
+
+def test_lifecycle_and_attempts(store):
+    async def scenario():
+        [r] = await store.add_rollouts([RolloutCreate(input={"q": 1}, metadata={"data_id": "d"})])
+        assert r.state == RolloutState.QUEUING and r.attempts == []
+        r = await store.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING))
+        assert r.status.last_attempt_id == "a1" and r.started_at is not None
+        r = await store.update_status(r.rollout_id, StatusFields(state=RolloutState.QUEUING, error_message="boom"))
+        assert r.attempts[0].state == RolloutState.FAILED and r.attempts[0].error_message == "boom"
+        r = await store.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING, last_attempt_id="a2"))
+        assert r.status.error_message is None
+        r = await store.update_status(r.rollout_id, StatusFields(state=RolloutState.SUCCEEDED))
+        assert [a.state for a in r.attempts] == [RolloutState.FAILED, RolloutState.SUCCEEDED]
+        assert r.finished_at >= r.started_at >= r.created_at
+        return r
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "path,illegal",
+    [
+        ([], RolloutState.SUCCEEDED),  # queuing -> succeeded skips running
+        ([RolloutState.RUNNING, RolloutState.SUCCEEDED], RolloutState.RUNNING),  # terminal is final
+        ([RolloutState.RUNNING, RolloutState.FAILED], RolloutState.QUEUING),
+    ],
+)
+def test_illegal_transitions_change_nothing(store, path, illegal):
+    async def scenario():
+        [r] = await store.add_rollouts([RolloutCreate()])
+        for state in path:
+            r = await store.update_status(r.rollout_id, StatusFields(state=state))
+        with pytest.raises(IllegalTransition):
+            await store.update_status(r.rollout_id, StatusFields(state=illegal, error_message="x"))
+        after = await store.get_rollout(r.rollout_id)
+        assert after == r
+
+    run(scenario())
+
+
+def test_caller_id_is_idempotent_and_never_clobbers(store):
+    async def scenario():
+        [r] = await store.add_rollouts([RolloutCreate(rollout_id="fixed", input=1)])
+        await store.update_status("fixed", StatusFields(state=RolloutState.RUNNING))
+        [again] = await store.add_rollouts([RolloutCreate(rollout_id="fixed", input=2)])
+        assert again.input == 1 and again.state == RolloutState.RUNNING
+        assert len(await store.list_rollouts()) == 1
+
+    run(scenario())
+
+
+def test_events_need_a_known_attempt_and_triplets_take_the_last_reward(store):
+    async def scenario():
+        [r] = await store.add_rollouts([RolloutCreate()])
+        with pytest.raises(RolloutNotFound):
+            await store.add_event("nope", "a1", EventCreate(event_type="reward", data={"value": 1}))
+        await store.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING))
+        call = {"prompt_token_ids": [1, 2], "response_token_ids": [3], "response_logprobs": [-0.5], "policy_version": 4}
+        await store.add_event(r.rollout_id, "a1", EventCreate(event_type="model_request", data=call))
+        await store.add_event(r.rollout_id, "a1", EventCreate(event_type="reward", data={"value": 0.0}))
+        await store.add_event(r.rollout_id, "a1", EventCreate(event_type="reward", data={"value": 1.0}))
+        bundle = await store.triplets(r.rollout_id)
+        assert bundle.reward == 1.0 and bundle.attempt_id == "a1"
+        [t] = bundle.triplets
+        assert (t.prompt_token_ids, t.response_token_ids, t.response_logprobs, t.policy_version) == ([1, 2], [3], [-0.5], 4)
+        assert [e.event_type for e in await store.list_events(r.rollout_id, event_type="reward")] == ["reward", "reward"]
+
+    run(scenario())
+
+
+def test_list_filters(store):
+    async def scenario():
+        rs = await store.add_rollouts([RolloutCreate() for _ in range(5)])
+        await store.update_status(rs[1].rollout_id, StatusFields(state=RolloutState.RUNNING))
+        queued = await store.list_rollouts(state_in=[RolloutState.QUEUING])
+        assert [r.rollout_id for r in queued] == [rs[i].rollout_id for i in (0, 2, 3, 4)]
+        assert len(await store.list_rollouts(state_in=[RolloutState.QUEUING], limit=2)) == 2
+        some = await store.list_rollouts(rollout_ids=[rs[4].rollout_id, rs[1].rollout_id])
+        assert {r.rollout_id for r in some} == {rs[4].rollout_id, rs[1].rollout_id}
+
+    run(scenario())
+
+
+def test_reopening_the_file_keeps_everything(tmp_path):
+    path = tmp_path / "durable.db"
+    first = RolloutStore(path)
+
+    async def write():
+        [r] = await first.add_rollouts([RolloutCreate(input={"x": 1})])
+        await first.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING))
+        await first.add_event(r.rollout_id, "a1", EventCreate(event_type="reward", data={"value": 0.5}))
+        return r.rollout_id
+
+    rollout_id = run(write())
+    first.close()
+    second = RolloutStore(path)
+    bundle = run(second.triplets(rollout_id))
+    assert bundle.reward == 0.5
+    assert run(second.get_rollout(rollout_id)).state == RolloutState.RUNNING
+    second.close()

@@ -1,0 +1,121 @@
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from rollover.training.samples import Sample, build_samples, collate
+
+
+def _call(prompt: list[int], response: list[int], logprobs: list[float] | None, version: int) -> dict[str, Any]:
+    return {
+        "prompt_token_ids": prompt,
+        "response_token_ids": response,
+        "response_logprobs": logprobs,
+        "policy_version": version,
+    }
+
+
+# Three calls that extend each other: tool outputs [20, 21] and [22] sit between responses.
+MULTI_TURN = [
+    _call([1, 2, 3], [10, 11], [-0.1, -0.2], 0),
+    _call([1, 2, 3, 10, 11, 20, 21], [12], [-0.3], 1),
+    _call([1, 2, 3, 10, 11, 20, 21, 12, 22], [13, 14], [-0.4, -0.5], 1),
+]
+
+
+def test_extending_calls_merge_into_one_sample() -> None:
+    samples = build_samples("r1", "g1", MULTI_TURN, reward=1.0, max_length=None)
+    assert len(samples) == 1
+    s = samples[0]
+    assert (s.rollout_id, s.group_id, s.reward, s.advantage) == ("r1", "g1", 1.0, 0.0)
+    assert s.input_ids == [1, 2, 3, 10, 11, 20, 21, 12, 22, 13, 14]
+    assert s.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1]
+    assert s.behaviour_logprobs == [0.0, 0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3, 0.0, -0.4, -0.5]
+    assert s.token_versions == [-1, -1, -1, 0, 0, -1, -1, 1, -1, 1, 1]
+
+
+def test_non_extending_call_starts_new_sample() -> None:
+    triplets = MULTI_TURN[:2] + [
+        _call([1, 2, 99], [15], [-0.6], 2),  # context was rewritten: not a prefix extension
+        _call([1, 2, 99, 15, 23], [16], [-0.7], 2),  # extends the new sample, not the first
+        _call([1, 2, 3], [17], [-0.8], 2),  # a retry of the first prompt is shorter: new sample
+    ]
+    samples = build_samples("r1", "g1", triplets, reward=0.5, max_length=None)
+    assert [s.input_ids for s in samples] == [
+        [1, 2, 3, 10, 11, 20, 21, 12],
+        [1, 2, 99, 15, 23, 16],
+        [1, 2, 3, 17],
+    ]
+    assert samples[1].loss_mask == [0, 0, 0, 1, 0, 1]
+    assert samples[1].token_versions == [-1, -1, -1, 2, -1, 2]
+    assert all(s.reward == 0.5 for s in samples)
+
+
+def test_truncation_keeps_lists_aligned_and_drops_empty_samples() -> None:
+    [s] = build_samples("r1", "g1", MULTI_TURN, reward=1.0, max_length=8)
+    assert s.input_ids == [1, 2, 3, 10, 11, 20, 21, 12]
+    assert s.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1]
+    assert len(s.behaviour_logprobs) == len(s.token_versions) == 8
+    assert s.behaviour_logprobs[-1] == -0.3
+
+    # The prompt alone fills max_length: nothing left to learn from.
+    assert build_samples("r1", "g1", MULTI_TURN[:1], reward=1.0, max_length=3) == []
+
+
+def test_missing_logprobs_become_nan_on_response_only() -> None:
+    [s] = build_samples("r1", "g1", [_call([1, 2], [3, 4], None, 0)], reward=0.0, max_length=None)
+    assert s.behaviour_logprobs[:2] == [0.0, 0.0]
+    assert all(math.isnan(x) for x in s.behaviour_logprobs[2:])
+
+
+def test_logprob_length_mismatch_is_an_error() -> None:
+    with pytest.raises(ValueError, match="logprobs"):
+        build_samples("r1", "g1", [_call([1], [3, 4], [-0.1], 0)], reward=0.0, max_length=None)
+
+
+def test_collate_shapes_padding_and_target_alignment() -> None:
+    [long] = build_samples("r1", "g1", MULTI_TURN, reward=1.0, max_length=None)
+    [short] = build_samples("r2", "g1", [_call([5, 6], [7, 8], [-1.0, -2.0], 3)], 0.0, None)
+    long.advantage = 0.5
+    short.advantage = -1.0
+    batch = collate([long, short], pad_token_id=0)
+
+    assert batch["input_ids"].shape == (2, 11) and batch["input_ids"].dtype == torch.long
+    assert batch["attention_mask"].shape == (2, 11)
+    for key in ("loss_mask", "behaviour_logprobs", "advantages", "token_versions"):
+        assert batch[key].shape == (2, 10), key
+    assert batch["token_versions"].dtype == torch.long
+
+    assert batch["input_ids"][1].tolist() == [5, 6, 7, 8] + [0] * 7
+    assert batch["attention_mask"][1].tolist() == [1] * 4 + [0] * 7
+
+    # Response token j of a sample is predicted at target column j - 1.
+    for row, sample in enumerate([long, short]):
+        for j, (tok, m) in enumerate(zip(sample.input_ids, sample.loss_mask)):
+            if j == 0:
+                continue
+            assert batch["input_ids"][row, j].item() == tok
+            assert batch["loss_mask"][row, j - 1].item() == m
+            assert batch["behaviour_logprobs"][row, j - 1].item() == pytest.approx(
+                sample.behaviour_logprobs[j]
+            )
+            assert batch["token_versions"][row, j - 1].item() == sample.token_versions[j]
+            assert batch["advantages"][row, j - 1].item() == (sample.advantage if m else 0.0)
+
+    # Concretely: token 10 (input position 3, logprob -0.1) lands in column 2.
+    assert batch["behaviour_logprobs"][0, 2].item() == pytest.approx(-0.1)
+    assert batch["loss_mask"][0].tolist() == [0, 0, 1, 1, 0, 0, 1, 0, 1, 1]
+    assert batch["advantages"][1].tolist() == [0.0, -1.0, -1.0] + [0.0] * 7
+    assert batch["loss_mask"][1, 3:].sum().item() == 0  # padding is never a loss token
+    assert batch["token_versions"][1, 3:].tolist() == [-1] * 7
+
+
+def test_collate_rejects_empty_batch() -> None:
+    with pytest.raises(ValueError):
+        collate([], pad_token_id=0)
+
+
+def test_sample_counts_loss_tokens() -> None:
+    s = Sample("r", "g", [1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], [-1, 0, 0], reward=1.0)
+    assert s.num_loss_tokens == 2 and len(s) == 3
