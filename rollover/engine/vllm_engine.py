@@ -29,6 +29,7 @@ import httpx
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+WORKER_EXTENSION = "rollover.engine.weights.RolloverWorkerExtension"
 
 
 class EngineError(RuntimeError):
@@ -170,6 +171,7 @@ class VLLMEngine:
         gpu_memory_utilization: float | None = None,
         enable_sleep_mode: bool | None = None,
         env: dict[str, str] | None = None,
+        worker_extension: bool = True,
     ) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -188,6 +190,9 @@ class VLLMEngine:
         # backend has nothing to free, so it is off there.
         self.enable_sleep_mode = (device == "cuda") if enable_sleep_mode is None else enable_sleep_mode
         self.extra_env = dict(env or {})
+        # Our worker extension fixes tied LM heads after a reload (see
+        # RolloverWorkerExtension); a caller that brings its own extension loses that.
+        self.worker_extension = worker_extension and "--worker-extension-cls" not in self.extra_args
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix="rollover-vllm-", suffix=".log")
             os.close(fd)
@@ -237,6 +242,8 @@ class VLLMEngine:
             args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.enable_sleep_mode:
             args.append("--enable-sleep-mode")
+        if self.worker_extension:
+            args += ["--worker-extension-cls", WORKER_EXTENSION]
         return args + list(self.extra_args)
 
     def _env(self) -> dict[str, str]:
@@ -251,6 +258,10 @@ class VLLMEngine:
         )
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gb)
+        # vLLM's worker imports our extension: make this checkout importable there even
+        # when rollover is not pip-installed.
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         env.update(self.extra_env)
         return env
 
@@ -322,7 +333,7 @@ class VLLMEngine:
         return self._proc is not None and self._proc.poll() is None
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the server's process group, SIGKILL whatever is left after `grace_s`.
+        """SIGTERM the server, then its process group; SIGKILL what is left after `grace_s`.
 
         Idempotent. Also kills descendants that left the group (vLLM's workers stay in
         it today; this is a guard, not a known case).
@@ -332,17 +343,23 @@ class VLLMEngine:
             if proc is not None:
                 pgid = proc.pid  # start_new_session: the leader's pid is the group id
                 family = descendant_pids(proc.pid) | {proc.pid}
-                if proc.poll() is None or group_alive(pgid):
+                # The API server first: it shuts its engine and workers down in order.
+                # Signalling the whole group at once makes them race and log errors.
+                # Then the group, then SIGKILL for whatever is left.
+                for target, share in ((proc.pid, 0.5), (-pgid, 0.5)):
                     try:
-                        os.killpg(pgid, signal.SIGTERM)
+                        os.kill(target, signal.SIGTERM)
                     except ProcessLookupError:
                         pass
-                deadline = time.monotonic() + grace_s
-                while time.monotonic() < deadline:
-                    proc.poll()
-                    if not group_alive(pgid) and not any(pid_alive(p) for p in family):
-                        break
-                    time.sleep(0.1)
+                    deadline = time.monotonic() + grace_s * share
+                    while time.monotonic() < deadline:
+                        proc.poll()
+                        if not group_alive(pgid) and not any(pid_alive(p) for p in family):
+                            break
+                        time.sleep(0.1)
+                    else:
+                        continue
+                    break
                 else:
                     log.warning("vLLM did not exit within %.0f s of SIGTERM; killing", grace_s)
                 try:
@@ -441,11 +458,12 @@ class VLLMEngine:
         sleeping = self._sleep_level > 0
         if sleeping:
             await self.wake_up(tags=["weights"])
+        method = "rollover_reload_weights" if self.worker_extension else "reload_weights"
         resp = await self._post(
             "/collective_rpc",
-            json={"method": "reload_weights", "kwargs": {"weights_path": str(wdir)}},
+            json={"method": method, "kwargs": {"weights_path": str(wdir)}},
         )
-        log.debug("reload_weights: %s", resp.text[:200])
+        log.debug("%s: %s", method, resp.text[:500])
         if sleeping:
             await self.wake_up(tags=["kv_cache"])
         await self.reset_prefix_cache()

@@ -91,3 +91,42 @@ def save_weights(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+class RolloverWorkerExtension:
+    """Methods added to vLLM's worker (`--worker-extension-cls`), called via collective_rpc.
+
+    Why it exists: vLLM 0.32's in-place reload leaves a tied LM head stale on the CPU
+    backend. The head shares its weight with the input embedding, so reloading the
+    embedding writes the new values into that shared tensor, but the CPU backend also keeps
+    a pre-packed GEMM copy of the head (built in `process_weights_after_loading`) and the
+    reload never rebuilds it for a layer with no weights of its own in the checkpoint. The
+    sampled tokens then come from the old head. We rebuild it after every reload. (On GPU
+    nothing is packed and the rebuild is a no-op.)
+
+    Only methods may be defined here: vLLM refuses an extension whose attribute names
+    clash with the worker's, and injects this class as an extra base of its worker.
+    """
+
+    def rollover_reload_weights(self, weights_path: str) -> dict[str, object]:
+        import time as _time
+
+        start = _time.perf_counter()
+        self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        embedding_weights = {
+            id(getattr(m, "weight", None))
+            for m in model.modules()
+            if type(m).__name__ == "VocabParallelEmbedding"
+        }
+        refreshed: list[str] = []
+        for name, module in model.named_modules():
+            quant_method = getattr(module, "quant_method", None)
+            if (
+                type(module).__name__ == "ParallelLMHead"
+                and id(getattr(module, "weight", None)) in embedding_weights
+                and quant_method is not None
+            ):
+                quant_method.process_weights_after_loading(module)
+                refreshed.append(name)
+        return {"seconds": _time.perf_counter() - start, "refreshed_tied_heads": refreshed}

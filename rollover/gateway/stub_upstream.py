@@ -50,12 +50,13 @@ def create_stub_app(behaviour: StubBehaviour) -> FastAPI:
             behaviour.fail_next -= 1
             return JSONResponse({"error": "injected failure"}, status_code=500)
         delay = float(body.get("metadata", {}).get("stub_delay", behaviour.delay_seconds)) if isinstance(body.get("metadata"), dict) else behaviour.delay_seconds
-        try:
-            if delay:
-                await asyncio.sleep(delay)
-        except asyncio.CancelledError:
-            behaviour.cancelled += 1
-            raise
+        # Like vLLM, abandon the generation when the caller hangs up.
+        deadline = time.monotonic() + delay
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+            if await request.is_disconnected():
+                behaviour.cancelled += 1
+                return JSONResponse({"error": "client went away"}, status_code=499)
         prompt = str(body.get("messages") or body.get("prompt"))
         prompt_ids = _fake_ids(prompt, 8)
         response_ids = _fake_ids(prompt + "reply", 4)
@@ -132,3 +133,20 @@ class StubUpstream:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def main() -> None:
+    """`python -m rollover.gateway.stub_upstream --port P [--delay S]`: the stub as its own process."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--delay", type=float, default=0.0)
+    args = parser.parse_args()
+    app = create_stub_app(StubBehaviour(delay_seconds=args.delay))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, backlog=4096)
+
+
+if __name__ == "__main__":
+    main()

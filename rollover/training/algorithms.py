@@ -157,8 +157,8 @@ def ppo_policy_loss(
     ``A < 0`` also ``l = min(l, -c A)`` so a huge ratio on a bad token cannot blow the loss up.
     ``is_weights`` (from ``rollout_correction_weights``) multiply ``l`` per token.
 
-    Only ``logprobs`` should carry gradient. Metrics: ``actor/pg_clipfrac`` (masked tokens where
-    the ε-clipped branch is strictly larger, i.e. active), ``actor/pg_clipfrac_dual`` (masked
+    Only ``logprobs`` should carry gradient. Metrics: ``actor/pg_clipfrac`` (masked tokens
+    where the ε-clipped branch is strictly larger, i.e. active), ``actor/pg_clipfrac_dual`` (masked
     tokens capped by the dual clip), ``actor/ppo_kl`` (mean of ``logπ_old - logπθ``) and
     ``actor/pg_loss``.
     """

@@ -32,13 +32,15 @@ def test_rloo_hand_values() -> None:
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 4.0, 9.0])
     groups = ["a"] * 4 + ["b"] * 3
     adv = compute_advantages(rewards, groups, "rloo")
-    assert adv.tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, -4.5, -1.5, 6.0], rel=1e-6)
+    expected = [2 / 3, -2 / 3, -2 / 3, 2 / 3, -4.5, -1.5, 6.0]
+    assert adv.tolist() == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])
 def test_singleton_group_keeps_raw_reward(estimator: str) -> None:
     rewards = torch.tensor([0.7, 1.0, 0.0])
-    adv = compute_advantages(rewards, ["solo", "pair", "pair"], estimator)  # type: ignore[arg-type]
+    groups = ["solo", "pair", "pair"]
+    adv = compute_advantages(rewards, groups, estimator)  # type: ignore[arg-type]
     assert adv[0].item() == pytest.approx(0.7)
     assert torch.isfinite(adv).all()
 
@@ -224,6 +226,7 @@ def test_sequence_is_weights_per_sample() -> None:
 
 def test_sequence_is_weights_clamp_sum() -> None:
     old = torch.tensor([[-15.0, -15.0]])  # Σ = -30 -> clamped to -20
-    weights, _ = rollout_correction_weights(old, torch.zeros(1, 2), torch.ones(1, 2), "sequence", 2.0)
+    ones = torch.ones(1, 2)
+    weights, _ = rollout_correction_weights(old, torch.zeros(1, 2), ones, "sequence", 2.0)
     assert weights is not None
     assert weights[0, 0].item() == pytest.approx(math.exp(-20), rel=1e-5)

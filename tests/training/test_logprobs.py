@@ -57,7 +57,9 @@ def test_matches_naive_per_position_loop(
 ) -> None:
     ids, mask = batch
     with torch.no_grad():
-        got = token_logprobs(model, ids, mask, temperature=temperature, micro_batch_size=micro_batch_size)
+        got = token_logprobs(
+            model, ids, mask, temperature=temperature, micro_batch_size=micro_batch_size
+        )
         expected = _naive(model, ids, temperature)
     assert got.shape == (len(LENGTHS), max(LENGTHS) - 1)
     assert got.dtype == torch.float32
@@ -80,7 +82,9 @@ def test_gradients_flow_in_grad_mode(
     model.zero_grad()
 
 
-def test_rejects_bad_arguments(model: LlamaForCausalLM, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+def test_rejects_bad_arguments(
+    model: LlamaForCausalLM, batch: tuple[torch.Tensor, torch.Tensor]
+) -> None:
     ids, mask = batch
     with pytest.raises(ValueError):
         token_logprobs(model, ids, mask, temperature=0.0)

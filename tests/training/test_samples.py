@@ -7,7 +7,9 @@ import torch
 from rollover.training.samples import Sample, build_samples, collate
 
 
-def _call(prompt: list[int], response: list[int], logprobs: list[float] | None, version: int) -> dict[str, Any]:
+def _call(
+    prompt: list[int], response: list[int], logprobs: list[float] | None, version: int
+) -> dict[str, Any]:
     return {
         "prompt_token_ids": prompt,
         "response_token_ids": response,
