@@ -27,6 +27,8 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
+    train_files: str | None = None
+    val_files: str | None = None
     train_batch_size: int = Field(32, gt=0)
     val_batch_size: int = Field(32, gt=0)
     max_prompt_length: int = Field(512, gt=0)
@@ -136,6 +138,7 @@ class AlgorithmConfig(_Section):
 
 
 class TrainerConfig(_Section):
+    setup_hook: str | None = None
     project_name: str = "rollover"
     experiment_name: str = "run"
     default_local_dir: str = "runs"

@@ -8,7 +8,6 @@ use for weight sync: `POST /collective_rpc` (method `reload_weights`), `POST
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import signal
@@ -28,7 +27,6 @@ import httpx
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 WORKER_EXTENSION = "rollover.engine.weights.RolloverWorkerExtension"
 
 
@@ -64,17 +62,64 @@ def tail_lines(path: str | Path, n: int = 40) -> str:
         return f"<log unreadable: {e}>"
 
 
-def _child_preexec() -> None:
-    # Runs in the child between fork and exec. If the parent dies (even by SIGKILL), the
-    # kernel sends SIGKILL to the server, so no orphaned vLLM keeps the port or memory.
+# The process-group leader we spawn: a few lines of Python that run vLLM's server as
+# their child and clean up after it. Why not vLLM directly: a parent-death signal reaches
+# only the server process, and vLLM's engine-core and worker processes outlive a killed
+# server (measured with vLLM 0.32: they stay up, holding memory, with no parent). The
+# supervisor is in the same process group as all of them and sweeps the group when
+# the server exits for any reason, when it is asked to stop (SIGTERM), or when the
+# process that started it dies (its own parent-death signal is SIGTERM). The server gets
+# SIGTERM too if the supervisor itself is killed.
+_SUPERVISOR = r"""
+import ctypes, os, signal, subprocess, sys, time
+parent, grace, argv = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+
+def pdeathsig(sig):
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        ctypes.CDLL(None).prctl(1, int(sig), 0, 0, 0)
     except Exception:
         pass
-    # The parent may have died between fork and prctl; then we are already orphaned.
-    if os.getppid() == 1:
-        os._exit(1)
+
+pdeathsig(signal.SIGTERM)
+if os.getppid() != parent:
+    sys.exit(1)
+stop = []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+signal.signal(signal.SIGHUP, lambda *a: stop.append(1))
+child = subprocess.Popen(argv, preexec_fn=lambda: pdeathsig(signal.SIGTERM))
+while child.poll() is None and not stop:
+    time.sleep(0.1)
+if child.poll() is None:
+    child.terminate()
+    try:
+        child.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+
+def group_members():
+    me, pgrp, out = os.getpid(), os.getpgrp(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me:
+            try:
+                with open("/proc/%s/stat" % entry, "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgrp and fields[0] != b"Z":
+                out.append(int(entry))
+    return out
+
+deadline = time.monotonic() + 2
+while group_members() and time.monotonic() < deadline:
+    time.sleep(0.1)
+for pid in group_members():
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+code = child.wait()
+sys.exit(code if code >= 0 else 128 - code)
+"""
 
 
 def _proc_children() -> dict[int, list[int]]:
@@ -130,8 +175,30 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def group_members(pgid: int) -> set[int]:
+    """Live (non-zombie) processes in process group `pgid`, from /proc."""
+    out: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != b"Z":
+            out.add(int(entry))
+    return out
+
+
 def group_alive(pgid: int) -> bool:
-    """True while any process is left in process group `pgid`."""
+    """True while a live process is left in process group `pgid`.
+
+    Zombies do not count: in a container whose PID 1 does not reap, they never go away.
+    """
+    if os.path.isdir("/proc"):
+        return bool(group_members(pgid))
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -172,6 +239,7 @@ class VLLMEngine:
         enable_sleep_mode: bool | None = None,
         env: dict[str, str] | None = None,
         worker_extension: bool = True,
+        stop_grace_s: float = 10.0,
     ) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -184,6 +252,7 @@ class VLLMEngine:
         self.kv_cache_space_gb = kv_cache_space_gb
         self.extra_args = tuple(extra_args)
         self.start_timeout_s = start_timeout_s
+        self.stop_grace_s = stop_grace_s
         self.device = device
         self.gpu_memory_utilization = gpu_memory_utilization
         # Sleep mode is what frees GPU memory for the collocated trainer; vLLM's CPU
@@ -223,7 +292,16 @@ class VLLMEngine:
 
     @property
     def pid(self) -> int | None:
+        """The supervisor's pid, which is also the process group id of all of vLLM."""
         return self._proc.pid if self._proc is not None else None
+
+    @property
+    def server_pid(self) -> int | None:
+        """The vLLM API server's pid (the supervisor's child), once it exists."""
+        if self._proc is None:
+            return None
+        children = _proc_children().get(self._proc.pid, [])
+        return min(children) if children else None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -281,13 +359,13 @@ class VLLMEngine:
             self._log_file.flush()
             self._started_at = time.monotonic()
             self._proc = subprocess.Popen(
-                self.command(),
+                [sys.executable, "-c", _SUPERVISOR, str(os.getpid()), str(self.stop_grace_s),
+                 *self.command()],
                 stdin=subprocess.DEVNULL,
                 stdout=self._log_file,
                 stderr=subprocess.STDOUT,
                 env=self._env(),
                 start_new_session=True,  # own process group: stop() signals all of it
-                preexec_fn=_child_preexec if sys.platform.startswith("linux") else None,
                 close_fds=True,
             )
             log.info("vLLM pid %d on %s, log %s", self._proc.pid, self.base_url, self.log_path)
@@ -332,34 +410,33 @@ class VLLMEngine:
         """True while the server process runs (it may still be starting)."""
         return self._proc is not None and self._proc.poll() is None
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the server, then its process group; SIGKILL what is left after `grace_s`.
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop vLLM: SIGTERM to the supervisor (it stops the server, which stops its
+        engine and workers, then sweeps the process group); SIGKILL to the group for
+        whatever is left after `grace_s` (default `stop_grace_s`) plus the sweep wait.
 
-        Idempotent. Also kills descendants that left the group (vLLM's workers stay in
-        it today; this is a guard, not a known case).
+        Idempotent. Also kills descendants that left the group (vLLM's processes stay
+        in it today; this is a guard, not a known case).
         """
+        grace_s = self.stop_grace_s if grace_s is None else grace_s
         with self._lock:
             proc, self._proc = self._proc, None
             if proc is not None:
                 pgid = proc.pid  # start_new_session: the leader's pid is the group id
                 family = descendant_pids(proc.pid) | {proc.pid}
-                # The API server first: it shuts its engine and workers down in order.
-                # Signalling the whole group at once makes them race and log errors.
-                # Then the group, then SIGKILL for whatever is left.
-                for target, share in ((proc.pid, 0.5), (-pgid, 0.5)):
-                    try:
-                        os.kill(target, signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
-                    deadline = time.monotonic() + grace_s * share
-                    while time.monotonic() < deadline:
-                        proc.poll()
-                        if not group_alive(pgid) and not any(pid_alive(p) for p in family):
-                            break
-                        time.sleep(0.1)
-                    else:
-                        continue
-                    break
+                # The supervisor stops the API server, which shuts its engine and
+                # workers down in order (signalling the whole group at once makes them
+                # race and log errors), then sweeps the group; SIGKILL is the fallback.
+                try:
+                    os.kill(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                deadline = time.monotonic() + grace_s + 3  # the supervisor's own sweep wait
+                while time.monotonic() < deadline:
+                    proc.poll()
+                    if not group_alive(pgid) and not any(pid_alive(p) for p in family):
+                        break
+                    time.sleep(0.1)
                 else:
                     log.warning("vLLM did not exit within %.0f s of SIGTERM; killing", grace_s)
                 try:

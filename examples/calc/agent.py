@@ -1,0 +1,50 @@
+"""The calc agent: a real program that talks to the policy through Rollover's gateway.
+
+Its calculator is a slow tool: each call sleeps for a long-tailed (lognormal) time, with the
+median and sigma read from ROLLOVER_CALC_LATENCY_MEDIAN / ROLLOVER_CALC_LATENCY_SIGMA
+(defaults 0.1 s and 1.0), so rollout durations vary the way real agents' do.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+
+from examples.calc.task import ANSWER, CALL, SYSTEM_PROMPT, calculate, score
+from rollover.agent import AgentContext
+
+MAX_TURNS = 3
+
+
+def tool_latency(rng: random.Random) -> float:
+    median = float(os.environ.get("ROLLOVER_CALC_LATENCY_MEDIAN", "0.1"))
+    sigma = float(os.environ.get("ROLLOVER_CALC_LATENCY_SIGMA", "1.0"))
+    return min(median * math.exp(sigma * rng.gauss(0, 1)), 60.0)
+
+
+class CalcAgent:
+    def run(self, task: dict) -> None:
+        ctx = AgentContext.from_env()
+        client = ctx.openai()
+        rng = random.Random(ctx.rollout_id)
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task["question"]}]
+        final = ""
+        for _ in range(MAX_TURNS):
+            reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=24)
+            text = reply.choices[0].message.content or ""
+            messages.append({"role": "assistant", "content": text})
+            if ANSWER.search(text):
+                final = text
+                break
+            call = CALL.search(text)
+            if call is None:
+                break
+            time.sleep(tool_latency(rng))
+            try:
+                result = str(calculate(call.group(1)))
+            except (ValueError, SyntaxError, RecursionError):
+                result = "error"
+            messages.append({"role": "tool", "content": result})
+        ctx.report_reward(score(task, final))

@@ -1,0 +1,197 @@
+"""Local runner: one child process per attempt, in its own process group.
+
+`python -m rollover.controller.agent_main pkg.mod:Class` starts in the controller's cwd with
+that cwd on PYTHONPATH, output to `<log_dir>/<rollout id>.<attempt id>.log`. A process group
+per agent lets the controller stop the agent together with anything it spawned (tool
+sandboxes, servers); `die_with_parent` makes Linux kill the agent if the controller dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from rollover.config import LocalRunnerConfig
+from rollover.controller.agent_main import AgentClassError, load_agent_class
+from rollover.controller.controller import ControllerConfigError, LaunchError, LaunchSpec, Outcome
+from rollover.processes import die_with_parent, group_alive
+
+log = logging.getLogger("rollover.controller.local")
+
+LOG_TAIL_LINES = 20
+_TAIL_BYTES = 16384
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - _TAIL_BYTES))
+            data = handle.read()
+    except OSError:
+        return ""
+    text = data.decode("utf-8", errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown"
+        return f"killed by signal {-returncode} ({name})"
+    return f"exit code {returncode}"
+
+
+class LocalExecution:
+    job_name: str | None = None
+
+    def __init__(self, process: asyncio.subprocess.Process, log_path: Path, kill_grace_seconds: float) -> None:
+        self.process = process
+        self.pgid = process.pid  # start_new_session=True: the agent leads its own group
+        self.log_path = log_path
+        self.kill_grace_seconds = kill_grace_seconds
+        self._kill_lock = asyncio.Lock()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def wait(self) -> Outcome:
+        returncode = await self.process.wait()
+        # Whatever the agent left running in its group goes with it.
+        await self._clear_group()
+        if returncode == 0:
+            return Outcome(True)
+        reason = describe_exit(returncode)
+        tail = log_tail(self.log_path)
+        if tail:
+            return Outcome(False, f"{reason}: last lines of {self.log_path}:\n{tail}")
+        return Outcome(False, f"{reason} (log {self.log_path} is empty)")
+
+    async def kill(self) -> None:
+        async with self._kill_lock:
+            if self.process.returncode is None:
+                _signal_group(self.pgid, signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(self.process.wait(), self.kill_grace_seconds)
+                except asyncio.TimeoutError:
+                    pass
+            await self._clear_group()
+
+    async def _clear_group(self) -> None:
+        if not group_alive(self.pgid):
+            return
+        _signal_group(self.pgid, signal.SIGKILL)
+        await self.process.wait()
+        # Orphans are reaped by init asynchronously; give them a moment to vanish.
+        deadline = time.monotonic() + 5.0
+        while group_alive(self.pgid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+
+class LocalRunner:
+    def __init__(self, config: LocalRunnerConfig, *, log_dir: Path, cwd: Path, kill_grace_seconds: float = 2.0) -> None:
+        self.config = config
+        self.log_dir = log_dir
+        self.cwd = cwd
+        self.kill_grace_seconds = kill_grace_seconds
+        self._checked: dict[str, str | None] = {}  # agent class spec -> import error, if any
+        self._live: set[LocalExecution] = set()
+        self._reapers: set[asyncio.Task[None]] = set()
+        if config.agent_class is None:
+            raise ControllerConfigError(
+                "agentlightning.local.agent_class must be set to 'pkg.module:Class' for the local runner"
+            )
+        error = self._check_class(config.agent_class)
+        if error:
+            raise ControllerConfigError(f"agentlightning.local.agent_class: {error}")
+
+    def _check_class(self, spec: str) -> str | None:
+        """Import the class here once, so a typo fails fast instead of in every agent."""
+        if spec not in self._checked:
+            # The agents run with the cwd on PYTHONPATH; look where they will look.
+            if str(self.cwd) not in sys.path:
+                sys.path.insert(0, str(self.cwd))
+            try:
+                load_agent_class(spec)
+                self._checked[spec] = None
+            except AgentClassError as exc:
+                self._checked[spec] = str(exc)
+        return self._checked[spec]
+
+    async def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    async def stop(self) -> None:
+        live = list(self._live)
+        if live:
+            await asyncio.gather(*(execution.kill() for execution in live), return_exceptions=True)
+
+    def claim_budget(self, horizon_seconds: float) -> int:
+        return sys.maxsize
+
+    async def extend_deadline(self, execution: object, seconds: float) -> None:
+        return None  # the controller's own deadline is the only one
+
+    def _child_env(self, spec: LaunchSpec) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(spec.env)
+        paths = [str(self.cwd)]
+        if env.get("PYTHONPATH"):
+            paths.append(env["PYTHONPATH"])
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    async def launch(self, spec: LaunchSpec) -> LocalExecution:
+        agent_class = spec.rollout.config.local.agent_class or self.config.agent_class
+        assert agent_class is not None
+        error = self._check_class(agent_class)
+        if error:
+            raise LaunchError(f"agent class: {error}", permanent=True)
+        log_path = self.log_dir / f"{spec.rollout_id}.{spec.attempt_id}.log"
+        try:
+            with open(log_path, "ab") as log_file:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "rollover.controller.agent_main",
+                    agent_class,
+                    cwd=self.cwd,
+                    env=self._child_env(spec),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
+        except OSError as exc:
+            raise LaunchError(f"cannot start the agent process: {exc!r}") from exc
+        execution = LocalExecution(process, log_path, self.kill_grace_seconds)
+        self._live.add(execution)
+        reaper = asyncio.get_running_loop().create_task(self._forget_when_done(execution))
+        self._reapers.add(reaper)
+        reaper.add_done_callback(self._reapers.discard)
+        log.debug("rollout %s attempt %s: pid %d, log %s", spec.rollout_id, spec.attempt_id, process.pid, log_path)
+        return execution
+
+    async def _forget_when_done(self, execution: LocalExecution) -> None:
+        try:
+            await execution.process.wait()
+        finally:
+            self._live.discard(execution)

@@ -1,0 +1,219 @@
+"""The active window of prompt groups: enqueue, wait for complete groups, carry the rest over.
+
+`AsyncRolloutManager` is the seed's `AglAsyncRolloutManager`. It talks to a `RolloutBackend`
+(the gateway in a real run, a discrete-event simulation in `rollover simulate`), so the
+planner exercises exactly the scheduling code the trainer runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Protocol, Sequence
+
+from rollover.store.models import RolloutState
+
+
+@dataclass
+class Prompt:
+    """One dataset item; `n` sibling rollouts of it form a group keyed by `data_id`."""
+
+    data_id: str
+    input: Any
+
+
+@dataclass
+class TrackedRollout:
+    rollout_id: str
+    data_id: str
+    input: Any
+    enqueued_step: int  # trainer step (= policy version) when the group was enqueued
+    state: RolloutState = RolloutState.QUEUING
+    created_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    error_message: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rollout_id": self.rollout_id,
+            "data_id": self.data_id,
+            "input": self.input,
+            "enqueued_step": self.enqueued_step,
+            "state": self.state.value,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "TrackedRollout":
+        return cls(
+            rollout_id=data["rollout_id"],
+            data_id=data["data_id"],
+            input=data["input"],
+            enqueued_step=data["enqueued_step"],
+            state=RolloutState(data["state"]),
+        )
+
+
+@dataclass
+class RolloutUpdate:
+    state: RolloutState
+    created_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    error_message: str | None = None
+
+
+class RolloutBackend(Protocol):
+    async def enqueue(self, rollouts: Sequence[TrackedRollout], is_train: bool) -> None: ...
+
+    async def poll(self, rollout_ids: Sequence[str]) -> dict[str, RolloutUpdate]: ...
+
+    async def wait(self) -> None:
+        """Return when states may have changed (after a poll interval, or simulated time)."""
+
+    async def abort(self, rollout_ids: Sequence[str], reason: str) -> None: ...
+
+    def now(self) -> float: ...
+
+
+@dataclass
+class GroupedResult:
+    completed_groups: list[list[TrackedRollout]]
+    new_carry_over_rollouts: list[TrackedRollout]
+    wait_seconds: float = 0.0
+    polls: int = 0
+
+
+def group_by_data_id(rollouts: Iterable[TrackedRollout]) -> dict[str, list[TrackedRollout]]:
+    groups: dict[str, list[TrackedRollout]] = {}
+    for rollout in rollouts:
+        groups.setdefault(rollout.data_id, []).append(rollout)
+    return groups
+
+
+def new_group(prompt: Prompt, n: int, step: int) -> list[TrackedRollout]:
+    group_tag = uuid.uuid4().hex[:12]
+    return [
+        TrackedRollout(rollout_id=f"r-{group_tag}-{i}", data_id=prompt.data_id, input=prompt.input, enqueued_step=step)
+        for i in range(n)
+    ]
+
+
+@dataclass
+class AsyncRolloutManager:
+    backend: RolloutBackend
+    train_rollout_n: int
+    completion_log: list[str] = field(default_factory=list)  # group keys in completion order
+
+    async def enqueue_and_wait_until_group_completed(
+        self,
+        new_prompts: Sequence[Prompt],
+        carry_over_rollouts: Sequence[TrackedRollout],
+        target_finished_group_num: int,
+        step: int,
+        is_train: bool = True,
+    ) -> GroupedResult:
+        new_rollouts = [r for prompt in new_prompts for r in new_group(prompt, self.train_rollout_n, step)]
+        if new_rollouts:
+            await self.backend.enqueue(new_rollouts, is_train)
+        active_rollouts = [*carry_over_rollouts, *new_rollouts]
+        groups = group_by_data_id(active_rollouts)
+        for key, group in groups.items():
+            assert len(group) == self.train_rollout_n, (
+                f"group {key} has {len(group)} rollouts, expected actor_rollout_ref.rollout.n={self.train_rollout_n}"
+            )
+        if target_finished_group_num > len(groups):
+            raise ValueError(
+                f"waiting for {target_finished_group_num} complete groups but only {len(groups)} are active"
+            )
+
+        started = self.backend.now()
+        completed_group_keys: list[str] = []
+        polls = 0
+        while True:
+            pending = [r for r in active_rollouts if not r.state.terminal]
+            if pending:
+                updates = await self.backend.poll([r.rollout_id for r in pending])
+                polls += 1
+                for rollout in pending:
+                    update = updates.get(rollout.rollout_id)
+                    if update is not None:
+                        _apply(rollout, update)
+            # A group counts only when every sibling is terminal; keep completion order.
+            for key, group in groups.items():
+                if key not in completed_group_keys and all(r.state.terminal for r in group):
+                    completed_group_keys.append(key)
+            if len(completed_group_keys) >= target_finished_group_num:
+                break
+            await self.backend.wait()
+
+        consumed = completed_group_keys[:target_finished_group_num]
+        self.completion_log.extend(consumed)
+        return GroupedResult(
+            completed_groups=[groups[key] for key in consumed],
+            new_carry_over_rollouts=[r for key, group in groups.items() if key not in consumed for r in group],
+            wait_seconds=self.backend.now() - started,
+            polls=polls,
+        )
+
+
+def _apply(rollout: TrackedRollout, update: RolloutUpdate) -> None:
+    rollout.state = update.state
+    rollout.created_at = update.created_at
+    rollout.started_at = update.started_at
+    rollout.finished_at = update.finished_at
+    rollout.error_message = update.error_message
+
+
+class GatewayBackend:
+    """The real backend: rollouts in the gateway's store, polled every `poll_interval` seconds."""
+
+    def __init__(self, client: Any, rollout_config: dict[str, Any] | None = None, poll_interval: float = 0.2) -> None:
+        from rollover.gateway.client import GatewayClient
+
+        self.client: GatewayClient = client
+        self.rollout_config = rollout_config or {}
+        self.poll_interval = poll_interval
+
+    async def enqueue(self, rollouts: Sequence[TrackedRollout], is_train: bool) -> None:
+        body = [
+            {
+                "rollout_id": r.rollout_id,
+                "input": r.input,
+                "is_train": is_train,
+                "config": self.rollout_config,
+                "metadata": {"data_id": r.data_id, "enqueued_step": r.enqueued_step},
+            }
+            for r in rollouts
+        ]
+        await self.client.enqueue(body)
+
+    async def poll(self, rollout_ids: Sequence[str]) -> dict[str, RolloutUpdate]:
+        found = await self.client.list_rollouts(rollout_ids=rollout_ids)
+        return {
+            r.rollout_id: RolloutUpdate(
+                state=r.state,
+                created_at=r.created_at,
+                started_at=r.started_at,
+                finished_at=r.finished_at,
+                error_message=r.status.error_message,
+            )
+            for r in found
+        }
+
+    async def wait(self) -> None:
+        await asyncio.sleep(self.poll_interval)
+
+    async def abort(self, rollout_ids: Sequence[str], reason: str) -> None:
+        from rollover.gateway.client import ConflictError, NotFoundError
+
+        for rollout_id in rollout_ids:
+            try:
+                await self.client.update_status(rollout_id, state="failed", error_message=f"aborted: {reason}")
+            except (ConflictError, NotFoundError):
+                pass  # already terminal or gone: nothing to stop
+
+    def now(self) -> float:
+        return time.time()

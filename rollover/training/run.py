@@ -1,0 +1,200 @@
+"""`rollover train`: store, gateway, vLLM engine, controller and trainer on one machine."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from rollover.config import ConfigError, RolloverConfig, check_async_rollout, dump_config
+
+log = logging.getLogger("rollover.run")
+
+
+def import_object(spec: str, key: str) -> Any:
+    """`pkg.module:name` → the object, with an error naming the config key."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # examples are imported from the working directory
+    module_name, _, attribute = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"config key '{key}': cannot import {spec!r} ({exc})") from None
+
+
+def apply_setup_hook(config: RolloverConfig) -> RolloverConfig:
+    hook = config.trainer.setup_hook
+    if not hook:
+        return config
+    function: Callable[[RolloverConfig], RolloverConfig | None] = import_object(hook, "trainer.setup_hook")
+    return function(config) or config
+
+
+def prepare_run_dir(config: RolloverConfig) -> Path:
+    """A fresh run never mixes with an old one: the old folder is kept under a new name."""
+    run_dir = config.trainer.run_dir
+    if run_dir.exists() and any(run_dir.iterdir()) and not config.resume:
+        kept = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(kept)
+        print(f"previous run moved to {kept} (pass resume=true to continue it instead)", file=sys.stderr)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    checkpoint = run_dir / "checkpoints" / pointer.read_text().strip()
+    return checkpoint if (checkpoint / "trainer_state.json").is_file() else None
+
+
+class EngineWeightSync:
+    """Collocated weight sync: save safetensors, reload them in the running vLLM server."""
+
+    def __init__(self, engine: Any, weights_root: Path) -> None:
+        self.engine = engine
+        self.weights_root = weights_root
+
+    async def before_update(self) -> None:
+        if getattr(self.engine, "device", "cpu") == "cuda":
+            await self.engine.sleep(1)  # give the KV cache's memory to the update
+
+    async def sync(self, policy: Any, version: int) -> None:
+        from rollover.engine.weights import save_weights
+
+        target = self.weights_root / f"v{version}"
+        await asyncio.to_thread(save_weights, policy.model, target)
+        await self.engine.load_weights(target, version=version)
+        for old in self.weights_root.glob("v*"):
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def run_training(config: RolloverConfig) -> int:
+    check_async_rollout(config)
+    config = apply_setup_hook(config)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(_run(config))
+
+
+def _required(value: str | None, key: str) -> str:
+    if not value:
+        raise ConfigError(f"config key '{key}' must be set")
+    return value
+
+
+async def _run(config: RolloverConfig) -> int:
+    from rollover.controller import Controller
+    from rollover.engine.vllm_engine import VLLMEngine
+    from rollover.gateway.auth import new_admin_key
+    from rollover.gateway.client import GatewayClient
+    from rollover.gateway.server import GatewayProcess
+    from rollover.metrics import MetricsLogger
+    from rollover.training.data import read_tasks
+    from rollover.training.policy import Policy, pick_device
+    from rollover.training.trainer import Trainer
+
+    train_tasks = read_tasks(_required(config.data.train_files, "data.train_files"))
+    val_tasks = read_tasks(config.data.val_files) if config.data.val_files else []
+    model_path = _required(config.actor_rollout_ref.model.path, "actor_rollout_ref.model.path")
+    if config.agentlightning.runner == "local":
+        _required(config.agentlightning.local.agent_class, "agentlightning.local.agent_class")
+
+    run_dir = prepare_run_dir(config)
+    checkpoint = latest_checkpoint(run_dir) if config.resume else None
+    if config.resume and checkpoint is None:
+        print(f"resume=true but {run_dir} has no checkpoint: starting from the beginning", file=sys.stderr)
+    if checkpoint is not None:
+        model_path = str(checkpoint / "model")
+    (run_dir / "config.yaml").write_text(dump_config(config))
+
+    admin_key = config.gateway.admin_key or new_admin_key()
+    store_path = config.gateway.store or str(run_dir / "store.db")
+    rollout = config.actor_rollout_ref.rollout
+    gateway = GatewayProcess(
+        store_path,
+        admin_key,
+        host=config.gateway.host,
+        port=config.gateway.port,
+        log_path=run_dir / "gateway.log",
+        extra_args=[
+            "--train-temperature", str(rollout.temperature),
+            "--val-temperature", str(rollout.val_kwargs.temperature),
+            "--retry-after", str(config.gateway.retry_after_seconds),
+            "--upstream-timeout", str(config.gateway.upstream_timeout_seconds),
+            "--upstream-retries", str(config.gateway.upstream_retries),
+            "--max-body-bytes", str(config.gateway.max_body_bytes),
+        ],
+    )
+    device = pick_device(config.trainer.device).type
+    engine = VLLMEngine(
+        model_path,
+        served_model_name=config.actor_rollout_ref.model.served_model_name,
+        max_model_len=rollout.max_model_len,
+        dtype=rollout.dtype,
+        kv_cache_space_gb=rollout.kv_cache_space_gb,
+        extra_args=rollout.engine_args,
+        log_path=run_dir / "engine.log",
+        start_timeout_s=rollout.start_timeout_seconds,
+        device="cuda" if device == "cuda" else "cpu",
+    )
+    metrics = MetricsLogger(
+        run_dir,
+        config.trainer.logger,
+        project=config.trainer.project_name,
+        experiment=config.trainer.experiment_name,
+        config=config.model_dump(mode="json"),
+    )
+    client: GatewayClient | None = None
+    try:
+        gateway.start()
+        print(f"gateway {gateway.url}  run folder {run_dir}", file=sys.stderr, flush=True)
+        engine.start()
+        policy = await asyncio.to_thread(Policy, model_path, config)
+        await asyncio.to_thread(engine.wait_ready)
+        client = GatewayClient(gateway.url, admin_key)
+        async with Controller(config, client, log_dir=run_dir / "agent_logs") as controller:
+            trainer = Trainer(
+                config=config,
+                client=client,
+                policy=policy,
+                weight_sync=EngineWeightSync(engine, run_dir / "weights"),
+                train_tasks=train_tasks,
+                val_tasks=val_tasks,
+                metrics=metrics,
+                run_dir=run_dir,
+            )
+            if checkpoint is not None:
+                _restore(trainer, policy, checkpoint)
+                stranded = await trainer.reconcile_after_restart()
+                print(f"resumed {checkpoint.name}: step {trainer.global_step}, aborted {stranded} stranded rollouts", file=sys.stderr)
+            engine.policy_version = trainer.policy_version
+            engine.attach_gateway(gateway.url, admin_key)
+            await engine.register_with_gateway(gateway.url, admin_key)
+            await trainer.fit(policy.optimizer)
+        summary = {k: v for k, v in trainer.history[-1].items()} if trainer.history else {}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return 0
+    finally:
+        metrics.close()
+        if client is not None:
+            await client.aclose()
+        engine.stop()
+        gateway.stop()
+
+
+def _restore(trainer: Any, policy: Any, checkpoint: Path) -> None:
+    import torch
+
+    trainer.load_state_dict(json.loads((checkpoint / "trainer_state.json").read_text()))
+    optimizer_state = checkpoint / "optimizer.pt"
+    if optimizer_state.is_file():
+        policy.optimizer.load_state_dict(torch.load(optimizer_state, map_location=policy.device))

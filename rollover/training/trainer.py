@@ -1,0 +1,397 @@
+"""The training loop: window top-up → rollout → pause/drain → update → weight sync (SPEC §4)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+import httpx
+import torch
+
+from rollover.config import RolloverConfig, check_async_rollout
+from rollover.gateway.client import GatewayClient, GatewayError
+from rollover.metrics import MetricsLogger, summarize
+from rollover.store.models import RolloutState
+from rollover.training.algorithms import compute_advantages
+from rollover.training.data import PromptLoader
+from rollover.training.manager import (
+    AsyncRolloutManager,
+    GroupedResult,
+    Prompt,
+    RolloutBackend,
+    TrackedRollout,
+    group_by_data_id,
+)
+from rollover.training.samples import Sample, build_samples
+
+log = logging.getLogger("rollover.trainer")
+
+
+class DrainTimeout(RuntimeError):
+    """The gateway did not drain in `gateway.drain_timeout_seconds`."""
+
+
+class WeightSync(Protocol):
+    """Moves the trainer's weights into the inference engine (collocated on one device)."""
+
+    async def before_update(self) -> None: ...
+
+    async def sync(self, policy: Any, version: int) -> None: ...
+
+
+class PolicyLike(Protocol):
+    tokenizer: Any
+
+    def update(self, samples: Sequence[Sample], rng: random.Random) -> dict[str, float]: ...
+
+    def save(self, directory: str | Path) -> Path: ...
+
+
+@dataclass
+class StepTimes:
+    rollout_wait_s: float = 0.0
+    drain_s: float = 0.0
+    update_s: float = 0.0
+    sync_s: float = 0.0
+
+
+@dataclass
+class Trainer:
+    config: RolloverConfig
+    client: GatewayClient
+    policy: PolicyLike
+    weight_sync: WeightSync
+    train_tasks: list[dict[str, Any]]
+    val_tasks: list[dict[str, Any]] = field(default_factory=list)
+    metrics: MetricsLogger | None = None
+    backend: RolloutBackend | None = None
+    run_dir: Path | None = None
+    poll_interval: float = 0.2
+
+    def __post_init__(self) -> None:
+        check_async_rollout(self.config)
+        from rollover.training.manager import GatewayBackend
+
+        rollout_config = {"timeout_seconds": self.config.agentlightning.rollout_timeout_seconds}
+        self.backend = self.backend or GatewayBackend(self.client, rollout_config, self.poll_interval)
+        self.manager = AsyncRolloutManager(self.backend, self.config.actor_rollout_ref.rollout.n)
+        self.loader = PromptLoader(self.train_tasks, seed=self.config.data.seed)
+        self.rng = random.Random(self.config.trainer.seed)
+        self._carry_over_rollouts: list[TrackedRollout] = []
+        self.global_step = 0
+        self.policy_version = 0
+        self.history: list[dict[str, float]] = []
+
+    # -- the window -----------------------------------------------------------------------
+
+    @property
+    def async_enabled(self) -> bool:
+        return self.config.agentlightning.async_rollout.enabled
+
+    @property
+    def window_size(self) -> int:
+        async_cfg = self.config.agentlightning.async_rollout
+        return async_cfg.async_train_batch_size if self.async_enabled else self.config.data.train_batch_size
+
+    def _next_train_batch_dict_for_rollout(self) -> list[Prompt]:
+        """New prompts that top the active window back up to `async_train_batch_size` groups."""
+        n_carry_over = len(group_by_data_id(self._carry_over_rollouts))
+        n_new = self.window_size - n_carry_over
+        return self.loader.take(max(n_new, 0))
+
+    async def _apply_staleness_cap(self) -> int:
+        """Abort carry-over groups older than `max_carry_over_age_steps`; re-queue their prompts."""
+        cap = self.config.agentlightning.async_rollout.max_carry_over_age_steps
+        if cap is None or not self._carry_over_rollouts:
+            return 0
+        kept: list[TrackedRollout] = []
+        aborted: list[str] = []
+        for data_id, group in group_by_data_id(self._carry_over_rollouts).items():
+            age = self.global_step - group[0].enqueued_step
+            if age > cap and not all(r.state.terminal for r in group):
+                aborted += [r.rollout_id for r in group if not r.state.terminal]
+                self.loader.requeue(Prompt(data_id=data_id, input=group[0].input))
+            else:
+                kept += group
+        if aborted:
+            await self.backend.abort(aborted, f"stale: older than {cap} updates")
+        self._carry_over_rollouts = kept
+        return len(aborted)
+
+    # -- gateway --------------------------------------------------------------------------
+
+    async def _resume_gateway(self, attempts: int = 5) -> None:
+        for attempt in range(attempts):
+            try:
+                await self.client.resume()
+                return
+            except (GatewayError, httpx.HTTPError) as exc:
+                if attempt == attempts - 1:
+                    raise
+                log.warning("resume failed (%s); retrying", exc)
+                await asyncio.sleep(0.5 * 2**attempt)
+
+    async def _pause_and_drain_gateway(self) -> tuple[int, float]:
+        """Pause the proxy, record in-flight calls at that moment, wait until none are left."""
+        gateway = self.config.gateway
+        state = await self.client.pause(
+            reason=f"policy update at step {self.global_step}", retry_after_seconds=gateway.retry_after_seconds
+        )
+        inflight_at_pause = state.inflight
+        started = time.monotonic()
+        deadline = started + gateway.drain_timeout_seconds
+        while state.inflight > 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                running = await self.client.list_rollouts(state_in=[RolloutState.RUNNING])
+                stuck = ", ".join(r.rollout_id for r in running[:20]) or "none running"
+                raise DrainTimeout(
+                    f"gateway still has {state.inflight} call(s) in flight after "
+                    f"gateway.drain_timeout_seconds={gateway.drain_timeout_seconds}; running rollouts: {stuck}"
+                )
+            state = await self.client.proxy_state(wait_drained=min(remaining, 10.0))
+        return inflight_at_pause, time.monotonic() - started
+
+    async def _rollout(self, new_prompts: list[Prompt]) -> tuple[GroupedResult, int, float]:
+        await self._resume_gateway()
+        result = await self.manager.enqueue_and_wait_until_group_completed(
+            new_prompts,
+            self._carry_over_rollouts,
+            target_finished_group_num=self.config.data.train_batch_size,
+            step=self.global_step,
+        )
+        if self.async_enabled:
+            self._carry_over_rollouts = result.new_carry_over_rollouts
+        else:
+            leftovers = [r.rollout_id for r in result.new_carry_over_rollouts if not r.state.terminal]
+            if leftovers:
+                await self.backend.abort(leftovers, "synchronous mode keeps no carry-over")
+            self._carry_over_rollouts = []
+        inflight_at_pause, drain_seconds = await self._pause_and_drain_gateway()
+        return result, inflight_at_pause, drain_seconds
+
+    # -- samples --------------------------------------------------------------------------
+
+    async def _collect_samples(self, groups: list[list[TrackedRollout]]) -> tuple[list[Sample], dict[str, float]]:
+        fill = self.config.algorithm.reward_fillna_value
+        max_length = self.config.data.max_prompt_length + self.config.data.max_response_length
+        rewards: list[float] = []
+        group_ids: list[str] = []
+        per_rollout_samples: list[list[Sample]] = []
+        n_failed = n_missing_reward = n_timeout = 0
+        bundles = await asyncio.gather(*(self.client.triplets(r.rollout_id) for g in groups for r in g))
+        flat = [r for g in groups for r in g]
+        for rollout, bundle in zip(flat, bundles):
+            reward = bundle.reward
+            if rollout.state == RolloutState.FAILED:
+                n_failed += 1
+                n_timeout += (rollout.error_message or "").startswith("timeout")
+                reward = fill
+            elif reward is None:
+                n_missing_reward += 1
+                reward = fill
+            triplets = [t.model_dump() for t in bundle.triplets]
+            samples = build_samples(rollout.rollout_id, rollout.data_id, triplets, reward, max_length) if triplets else []
+            rewards.append(reward)
+            group_ids.append(rollout.data_id)
+            per_rollout_samples.append(samples)
+        advantages = compute_advantages(
+            torch.tensor(rewards, dtype=torch.float32), group_ids, self.config.algorithm.adv_estimator
+        )
+        all_samples: list[Sample] = []
+        for samples, advantage in zip(per_rollout_samples, advantages.tolist()):
+            for sample in samples:
+                sample.advantage = advantage
+            all_samples += samples
+        lags = [
+            self.policy_version - v for s in all_samples for v, m in zip(s.token_versions, s.loss_mask) if m and v >= 0
+        ]
+        metrics = {
+            "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
+            "reward/accuracy": sum(r > 0 for r in rewards) / max(len(rewards), 1),
+            "rollouts/n_failed": n_failed,
+            "rollouts/n_timeout": n_timeout,
+            "rollouts/n_missing_reward": n_missing_reward,
+            "rollouts/n_samples": len(all_samples),
+            "rollouts/n_response_tokens": sum(s.num_loss_tokens for s in all_samples),
+            "policy/version": self.policy_version,
+            "policy/version_lag_mean": statistics.fmean(lags) if lags else 0.0,
+            "policy/version_lag_max": max(lags) if lags else 0.0,
+        }
+        return all_samples, metrics
+
+    # -- the step -------------------------------------------------------------------------
+
+    def _async_metrics(self, n_prev_carry_over: int, result: GroupedResult, inflight: int, drain: float) -> dict[str, float]:
+        completed = [r for g in result.completed_groups for r in g]
+        ages = [self.global_step + 1 - r.enqueued_step for r in result.new_carry_over_rollouts]
+        metrics = {
+            "training/async/n_prev_carry_over_rollouts": n_prev_carry_over,
+            "training/async/n_completed_rollouts": len(completed),
+            "training/async/n_new_carry_over_rollouts": len(result.new_carry_over_rollouts),
+            "training/async/new_carry_over_age_max_steps": max(ages) if ages else 0,
+            "training/async/proxy_inflight_at_pause": inflight,
+            "training/async/proxy_drain_seconds": drain,
+        }
+        timed = [r for r in completed if r.created_at is not None and r.finished_at is not None]
+        queue_wait = [r.started_at - r.created_at for r in timed if r.started_at is not None]
+        run = [r.finished_at - r.started_at for r in timed if r.started_at is not None]
+        total = [r.finished_at - r.created_at for r in timed]
+        metrics.update(summarize("timing/rollout_queue_wait_s", queue_wait))
+        metrics.update(summarize("timing/rollout_run_duration_s", run))
+        metrics.update(summarize("timing/rollout_total_s", total))
+        return metrics
+
+    async def train_step(self) -> dict[str, float]:
+        step_started = time.monotonic()
+        n_stale = await self._apply_staleness_cap()
+        new_prompts = self._next_train_batch_dict_for_rollout()
+        n_prev_carry_over = len(self._carry_over_rollouts)
+        rollout_started = time.monotonic()
+        result, inflight, drain = await self._rollout(new_prompts)
+        rollout_wait = time.monotonic() - rollout_started - drain
+
+        samples, sample_metrics = await self._collect_samples(result.completed_groups)
+        await self.weight_sync.before_update()
+        update_started = time.monotonic()
+        update_metrics = await asyncio.to_thread(self.policy.update, samples, self.rng)
+        update_s = time.monotonic() - update_started
+        self.policy_version += 1
+        sync_started = time.monotonic()
+        await self.weight_sync.sync(self.policy, self.policy_version)
+        sync_s = time.monotonic() - sync_started
+        self.global_step += 1
+
+        step_s = time.monotonic() - step_started
+        metrics: dict[str, float] = {
+            **self._async_metrics(n_prev_carry_over, result, inflight, drain),
+            **sample_metrics,
+            **update_metrics,
+            "training/async/n_aborted_stale_rollouts": n_stale,
+            "timing/step_s": step_s,
+            "timing/rollout_wait_s": rollout_wait,
+            "timing/update_s": update_s,
+            "timing/weight_sync_s": sync_s,
+            # The trainer idles while it waits for complete groups and for the drain.
+            "timing/trainer_idle_s": rollout_wait + drain,
+            "timing/trainer_idle_fraction": (rollout_wait + drain) / step_s if step_s > 0 else 0.0,
+        }
+        return metrics
+
+    # -- evaluation -----------------------------------------------------------------------
+
+    async def validate(self) -> dict[str, float]:
+        """Every held-out task once (n = 1, val mode), waited to completion."""
+        if not self.val_tasks:
+            return {}
+        await self._resume_gateway()
+        prompts = [Prompt(data_id=f"val-{self.global_step}-{i}", input=task) for i, task in enumerate(self.val_tasks)]
+        val_manager = AsyncRolloutManager(self.backend, train_rollout_n=1)
+        result = await val_manager.enqueue_and_wait_until_group_completed(
+            prompts, [], target_finished_group_num=len(prompts), step=self.global_step, is_train=False
+        )
+        rollouts = [r for g in result.completed_groups for r in g]
+        bundles = await asyncio.gather(*(self.client.triplets(r.rollout_id) for r in rollouts))
+        fill = self.config.algorithm.reward_fillna_value
+        rewards = [
+            fill if r.state == RolloutState.FAILED or b.reward is None else b.reward for r, b in zip(rollouts, bundles)
+        ]
+        return {
+            "val/reward_mean": statistics.fmean(rewards),
+            "val/accuracy": sum(x > 0 for x in rewards) / len(rewards),
+            "val/n_failed": sum(r.state == RolloutState.FAILED for r in rollouts),
+        }
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "global_step": self.global_step,
+            "policy_version": self.policy_version,
+            "loader": self.loader.state_dict(),
+            "carry_over_rollouts": [r.to_json() for r in self._carry_over_rollouts],
+            "rng": self.rng.getstate(),
+        }
+
+    def save_checkpoint(self, optimizer: torch.optim.Optimizer | None = None) -> Path:
+        assert self.run_dir is not None
+        root = self.run_dir / "checkpoints"
+        final = root / f"step_{self.global_step}"
+        partial = root / f".step_{self.global_step}.partial"
+        partial.mkdir(parents=True, exist_ok=True)
+        self.policy.save(partial / "model")
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), partial / "optimizer.pt")
+        state = self.state_dict()
+        state["rng"] = [state["rng"][0], list(state["rng"][1]), state["rng"][2]]
+        (partial / "trainer_state.json").write_text(json.dumps(state))
+        if final.exists():
+            import shutil
+
+            shutil.rmtree(final)
+        partial.rename(final)  # a checkpoint exists only once it is complete
+        (root / "latest").write_text(final.name)
+        return final
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_step = state["global_step"]
+        self.policy_version = state["policy_version"]
+        self.loader.load_state_dict(state["loader"])
+        self._carry_over_rollouts = [TrackedRollout.from_json(r) for r in state["carry_over_rollouts"]]
+        rng = state["rng"]
+        self.rng.setstate((rng[0], tuple(rng[1]), rng[2]))
+
+    async def reconcile_after_restart(self) -> int:
+        """After a crash the agents of unfinished rollouts are gone: abort every rollout still
+        queued or running in the store, and re-queue carry-over groups that lost members."""
+        stranded = await self.client.list_rollouts(state_in=[RolloutState.QUEUING, RolloutState.RUNNING])
+        await self.backend.abort([r.rollout_id for r in stranded], "trainer restarted")
+        stranded_ids = {r.rollout_id for r in stranded}
+        kept: list[TrackedRollout] = []
+        for data_id, group in group_by_data_id(self._carry_over_rollouts).items():
+            if any(r.rollout_id in stranded_ids for r in group):
+                self.loader.requeue(Prompt(data_id=data_id, input=group[0].input))
+            else:
+                kept += group
+        self._carry_over_rollouts = kept
+        return len(stranded)
+
+    async def abort_carry_over(self, reason: str) -> None:
+        pending = [r.rollout_id for r in self._carry_over_rollouts if not r.state.terminal]
+        if pending:
+            await self.backend.abort(pending, reason)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        self.history.append({"step": self.global_step, **metrics})
+        if self.metrics is not None:
+            self.metrics.log(self.global_step, metrics)
+
+    async def fit(self, optimizer: torch.optim.Optimizer | None = None) -> list[dict[str, float]]:
+        trainer_cfg = self.config.trainer
+        total = trainer_cfg.total_training_steps
+        if self.global_step == 0:
+            val = await self.validate()
+            if val:
+                self._log(val)
+        while self.global_step < total:
+            metrics = await self.train_step()
+            last = self.global_step == total
+            if trainer_cfg.test_freq and self.global_step % trainer_cfg.test_freq == 0 and not last:
+                metrics.update(await self.validate())
+            self._log(metrics)
+            if self.run_dir is not None and (last or (trainer_cfg.save_freq and self.global_step % trainer_cfg.save_freq == 0)):
+                self.save_checkpoint(optimizer)
+        await self.abort_carry_over("training finished")
+        val = await self.validate()
+        if val:
+            self._log(val)
+        return self.history
