@@ -105,7 +105,10 @@ def simulate(args: argparse.Namespace) -> int:
 
 
 def report(args: argparse.Namespace) -> int:
-    from rollover.metrics.report import write_report
+    from rollover.metrics.report import ReportError, write_report
 
-    print(write_report(args.run_dir, args.out))
+    try:
+        print(write_report(args.run_dir, args.out))
+    except ReportError as exc:
+        raise UsageError(str(exc)) from None
     return 0

@@ -34,6 +34,25 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def live_group_members(pgid: int) -> list[int]:
+    """Processes of group `pgid` that are not zombies. Orphaned zombies linger until init
+    reaps them, which can take a second; they hold no resources worth waiting for."""
+    if not os.path.isdir("/proc"):
+        return [pgid] if group_alive(pgid) else []
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            members.append(int(entry))
+    return members
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         with open(path, "rb") as handle:
@@ -98,9 +117,8 @@ class LocalExecution:
             return
         _signal_group(self.pgid, signal.SIGKILL)
         await self.process.wait()
-        # Orphans are reaped by init asynchronously; give them a moment to vanish.
         deadline = time.monotonic() + 5.0
-        while group_alive(self.pgid) and time.monotonic() < deadline:
+        while live_group_members(self.pgid) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
 

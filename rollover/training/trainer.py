@@ -10,7 +10,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import httpx
 import torch
@@ -74,6 +74,7 @@ class Trainer:
     backend: RolloutBackend | None = None
     run_dir: Path | None = None
     poll_interval: float = 0.2
+    clock: Callable[[], float] = time.monotonic  # `rollover simulate` drives the trainer in virtual time
 
     def __post_init__(self) -> None:
         check_async_rollout(self.config)
@@ -145,10 +146,10 @@ class Trainer:
             reason=f"policy update at step {self.global_step}", retry_after_seconds=gateway.retry_after_seconds
         )
         inflight_at_pause = state.inflight
-        started = time.monotonic()
+        started = self.clock()
         deadline = started + gateway.drain_timeout_seconds
         while state.inflight > 0:
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self.clock()
             if remaining <= 0:
                 running = await self.client.list_rollouts(state_in=[RolloutState.RUNNING])
                 stuck = ", ".join(r.rollout_id for r in running[:20]) or "none running"
@@ -157,7 +158,7 @@ class Trainer:
                     f"gateway.drain_timeout_seconds={gateway.drain_timeout_seconds}; running rollouts: {stuck}"
                 )
             state = await self.client.proxy_state(wait_drained=min(remaining, 10.0))
-        return inflight_at_pause, time.monotonic() - started
+        return inflight_at_pause, self.clock() - started
 
     async def _rollout(self, new_prompts: list[Prompt]) -> tuple[GroupedResult, int, float]:
         await self._resume_gateway()
@@ -250,26 +251,26 @@ class Trainer:
         return metrics
 
     async def train_step(self) -> dict[str, float]:
-        step_started = time.monotonic()
+        step_started = self.clock()
         n_stale = await self._apply_staleness_cap()
         new_prompts = self._next_train_batch_dict_for_rollout()
         n_prev_carry_over = len(self._carry_over_rollouts)
-        rollout_started = time.monotonic()
+        rollout_started = self.clock()
         result, inflight, drain = await self._rollout(new_prompts)
-        rollout_wait = time.monotonic() - rollout_started - drain
+        rollout_wait = self.clock() - rollout_started - drain
 
         samples, sample_metrics = await self._collect_samples(result.completed_groups)
         await self.weight_sync.before_update()
-        update_started = time.monotonic()
+        update_started = self.clock()
         update_metrics = await asyncio.to_thread(self.policy.update, samples, self.rng)
-        update_s = time.monotonic() - update_started
+        update_s = self.clock() - update_started
         self.policy_version += 1
-        sync_started = time.monotonic()
+        sync_started = self.clock()
         await self.weight_sync.sync(self.policy, self.policy_version)
-        sync_s = time.monotonic() - sync_started
+        sync_s = self.clock() - sync_started
         self.global_step += 1
 
-        step_s = time.monotonic() - step_started
+        step_s = self.clock() - step_started
         metrics: dict[str, float] = {
             **self._async_metrics(n_prev_carry_over, result, inflight, drain),
             **sample_metrics,

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator
+
+import pytest
+
+from rollover.config import AgentLightningConfig, validate_config
+from rollover.controller.local import live_group_members
+from rollover.gateway.client import GatewayClient
+from rollover.gateway.server import GatewayThread
+from rollover.store.models import Rollout
+
+ADMIN_KEY = "admin"
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[GatewayThread]:
+    with GatewayThread(admin_key=ADMIN_KEY) as thread:
+        yield thread
+
+
+@pytest.fixture
+async def client(gateway: GatewayThread) -> AsyncIterator[GatewayClient]:
+    async with GatewayClient(gateway.url, ADMIN_KEY) as gateway_client:
+        yield gateway_client
+        await gateway_client.resume()
+
+
+def make_config(**agentlightning: Any) -> AgentLightningConfig:
+    return validate_config({"agentlightning": agentlightning}).agentlightning
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+async def wait_for_rollout(client: GatewayClient, rollout_id: str, predicate: Any = None, timeout: float = 20.0) -> Rollout:
+    predicate = predicate or (lambda r: r.state.terminal)
+    deadline = time.monotonic() + timeout
+    while True:
+        rollout = await client.get_rollout(rollout_id)
+        if predicate(rollout):
+            return rollout
+        if time.monotonic() > deadline:
+            raise AssertionError(f"rollout {rollout_id} still {rollout.state.value}: {rollout.status}")
+        await asyncio.sleep(0.05)
+
+
+async def read_pids(path: Path, timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the agent never wrote {path}")
+        await asyncio.sleep(0.05)
+    return [int(p) for p in path.read_text().split()]
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie (orphaned zombies wait for init, which may be slow)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+async def wait_gone(pids: list[int], timeout: float) -> float:
+    started = time.monotonic()
+    while any(alive(pid) for pid in pids):
+        if time.monotonic() - started > timeout:
+            survivors = [pid for pid in pids if alive(pid)]
+            raise AssertionError(f"processes {survivors} still alive after {timeout}s")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+def assert_group_gone(pgid: int) -> None:
+    assert live_group_members(pgid) == [], f"process group {pgid} still has members"
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return
+    # Only zombies left (init reaps orphans lazily): nothing is running.
