@@ -77,7 +77,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["simulate"]:
+        # argparse's REMAINDER rejects a leading option (`simulate --steps 5`); the planner parses its own.
+        args = argparse.Namespace(command="simulate", run=commands.simulate, args=argv[1:])
+    else:
+        args = _parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args) or 0

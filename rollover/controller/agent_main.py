@@ -6,12 +6,11 @@ with no arguments and its `run()` is called (with the rollout's input when `run`
 parameter); `async def run` is driven by `asyncio.run`. Returning normally exits 0, which
 the controller reports as SUCCEEDED; an exception prints its traceback and exits 1.
 
-Keep the imports light: every agent start pays for them.
+Keep the imports light: every agent start pays for them (asyncio alone is ~30 ms).
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 import json
@@ -66,6 +65,8 @@ def run_agent(spec: str) -> None:
         args = (json.loads(os.environ.get("AGL_ROLLOUT_INPUT") or "null"),)
     result = agent.run(*args)
     if inspect.isawaitable(result):
+        import asyncio  # only async agents pay for it
+
         asyncio.run(_await(result))
 
 

@@ -78,7 +78,10 @@ class LaunchSpec:
 class Execution(Protocol):
     """One running attempt on a runner."""
 
-    job_name: str | None
+    @property
+    def job_name(self) -> str | None:
+        """The Kubernetes Job that runs it, if any."""
+        ...
 
     async def wait(self) -> Outcome:
         """Until the agent ends on its own."""
@@ -244,6 +247,13 @@ class Controller:
             return LocalRunner(self.config.local, log_dir=self.log_dir, cwd=self.cwd, kill_grace_seconds=kill_grace_seconds)
         from rollover.controller.k8s import K8sRunner
 
+        host = httpx.URL(self.client.base_url).host
+        if not self.config.k8s.gateway_url and host in ("127.0.0.1", "localhost", "::1"):
+            log.warning(
+                "pods will be told to reach the gateway at %s, which is this machine's loopback; "
+                "set agentlightning.k8s.gateway_url to an address they can reach",
+                self.client.base_url,
+            )
         return K8sRunner(self.config.k8s, api_client=k8s_api_client)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -274,8 +284,13 @@ class Controller:
         if self._stopping or not self._started:
             return
         self._stopping = True
+        self._wake.set()
         if self._loop_task is not None:
-            self._loop_task.cancel()
+            # Let a tick in flight finish rather than cancel it: a claim cut off between the
+            # gateway's answer and our bookkeeping would leave a rollout running with no agent.
+            done, _ = await asyncio.wait({self._loop_task}, timeout=10)
+            if not done:
+                self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
         attempts = list(self._running.values())
         for attempt in attempts:
@@ -299,25 +314,27 @@ class Controller:
 
     async def _poll_loop(self) -> None:
         backoff = self.poll_interval
-        while True:
+        while not self._stopping:
+            # Cleared before the tick, so that a slot freed during it wakes the next one.
+            self._wake.clear()
             try:
                 await self._tick()
                 backoff = self.poll_interval
-            except asyncio.CancelledError:
-                raise
+                await self._sleep(self.poll_interval)
             except Exception as exc:
                 # Whatever goes wrong in one tick (a gateway restart, a bad reply), the next
                 # tick starts from the store's state again.
                 level = logging.WARNING if _transient(exc) else logging.ERROR
                 log.log(level, "controller tick failed (retrying in %.1fs): %r", backoff, exc, exc_info=level == logging.ERROR)
-                await asyncio.sleep(backoff)
+                await self._sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
-                continue
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.poll_interval)
-            except asyncio.TimeoutError:
-                pass
+
+    async def _sleep(self, seconds: float) -> None:
+        """Until `seconds` pass or something wakes the loop (a freed slot, `stop()`)."""
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
 
     async def _tick(self) -> None:
         if self._running:
@@ -364,21 +381,23 @@ class Controller:
         # them out once a pause is over, with headroom so one patch covers a few pauses.
         if self._gateway_paused:
             return
-        for attempt in list(self._running.values()):
-            execution = attempt.execution
-            if execution is None or attempt.stop_reason is not None or attempt.reporting:
+        due: list[tuple[_Attempt, Execution, int]] = []
+        for attempt in self._running.values():
+            if attempt.execution is None or attempt.stop_reason is not None or attempt.reporting:
                 continue
             needed = attempt.timeout_seconds + self._paused_since(attempt)
-            if needed <= attempt.deadline_extended_to:
-                continue
-            if attempt.deadline_extended_to == 0.0 and needed <= attempt.timeout_seconds:
-                continue
-            target = math.ceil(needed + 60)
-            try:
-                await self._runner.extend_deadline(execution, target)
+            if needed > max(attempt.deadline_extended_to, attempt.timeout_seconds):
+                due.append((attempt, attempt.execution, math.ceil(needed + 60)))
+        if not due:
+            return
+        results = await asyncio.gather(
+            *(self._runner.extend_deadline(execution, target) for _, execution, target in due), return_exceptions=True
+        )
+        for (attempt, _, target), result in zip(due, results):
+            if isinstance(result, BaseException):
+                log.warning("cannot extend the deadline of %s: %r", attempt.rollout_id, result)
+            else:
                 attempt.deadline_extended_to = target
-            except Exception as exc:
-                log.warning("cannot extend the deadline of %s: %r", attempt.rollout_id, exc)
 
     async def _check_running(self) -> None:
         ids = [rid for rid, a in self._running.items() if not a.reporting and a.stop_reason is None]

@@ -261,9 +261,8 @@ class TokenBucket:
 
 
 def _api_reason(exc: ApiException) -> str:
-    body = exc.body
-    if isinstance(body, bytes):
-        body = body.decode("utf-8", errors="replace")
+    raw = exc.body
+    body = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
     try:
         message = json.loads(body).get("message") if body else None
     except (ValueError, AttributeError):

@@ -73,13 +73,14 @@ def convert_smollm2(
     out_dir: str | Path, dtype: Literal["float32", "bfloat16"] = "float32"
 ) -> Path:
     """Write SmolLM2-135M-Instruct (dequantized) with its tokenizer to `out_dir`."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    gguf = find_smollm2_gguf()  # fail fast, before the heavy imports
+
     import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     torch_dtype = getattr(torch, dtype)
-    gguf = find_smollm2_gguf()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -101,6 +102,7 @@ def convert_smollm2(
     del loaded
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer.model_max_length = config.max_position_embeddings
     eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     # Only eos/pad/bos: vLLM copies sampling defaults from generation_config.json.
     model.generation_config = GenerationConfig(

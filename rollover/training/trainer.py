@@ -240,6 +240,8 @@ class Trainer:
             "training/async/new_carry_over_age_max_steps": max(ages) if ages else 0,
             "training/async/proxy_inflight_at_pause": inflight,
             "training/async/proxy_drain_seconds": drain,
+            # rollouts consumed now that were enqueued in an earlier step: carry-over paying off
+            "training/async/n_completed_from_carry_over": sum(r.enqueued_step < self.global_step for r in completed),
         }
         timed = [r for r in completed if r.created_at is not None and r.finished_at is not None]
         queue_wait = [r.started_at - r.created_at for r in timed if r.started_at is not None]

@@ -1,0 +1,205 @@
+"""Supervised warm-up: teach a (tiny) model a task's output format before RL.
+
+RL only learns from rewards it sees; a random-init model never produces a parseable
+answer, so every reward is zero and there is nothing to learn. A few hundred steps of
+next-token training on example chats, scored only on the assistant's tokens, give a
+policy that sometimes succeeds. The folder written is a normal HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+Message = dict[str, Any]
+
+
+def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
+    """Read chats from JSONL: each line is a list of messages or `{"messages": [...]}`."""
+    chats: list[list[Message]] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON: {e}") from None
+            messages = row.get("messages") if isinstance(row, dict) else row
+            if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and "role" in m for m in messages
+            ):
+                raise ValueError(
+                    f"{path}:{lineno}: expected a list of messages or {{\"messages\": [...]}}"
+                )
+            chats.append(messages)
+    return chats
+
+
+def _render(tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    if not messages:
+        return ""
+    text = tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    return str(text)
+
+
+def tokenize_chat(
+    tokenizer: Any, messages: Sequence[Message], max_length: int | None = None
+) -> tuple[list[int], list[int]]:
+    """Token ids of a rendered chat and a 0/1 mask that is 1 on assistant tokens.
+
+    The learned part of each assistant turn runs up to and including the tokenizer's eos
+    token (the model must learn to stop); what the template adds after it (a newline) is
+    context. Prompt and response are tokenized separately, as at inference, where the
+    engine tokenizes the prompt and the response is generated token by token. Needs a
+    prefix-stable template (rendering the first k messages is a prefix of rendering all),
+    which ChatML templates are.
+    """
+    eos = tokenizer.eos_token or ""
+    segments: list[tuple[str, int]] = []
+    consumed = ""
+    for i, msg in enumerate(messages):
+        if msg.get("role") != "assistant":
+            continue
+        prefix = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        full = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not prefix.startswith(consumed) or not full.startswith(prefix):
+            raise ValueError("chat template is not prefix-stable; cannot locate assistant turns")
+        reply = full[len(prefix) :]
+        cut = reply.find(eos) + len(eos) if eos and eos in reply else len(reply)
+        segments.append((prefix[len(consumed) :], 0))
+        segments.append((reply[:cut], 1))
+        consumed = prefix + reply[:cut]
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, learn in segments:
+        if not text:
+            continue
+        seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += seg
+        mask += [learn] * len(seg)
+    if max_length is not None:
+        ids, mask = ids[:max_length], mask[:max_length]
+    return ids, mask
+
+
+def sft_warmup(
+    model_dir: str | Path,
+    examples: list[list[Message]],
+    out_dir: str | Path,
+    *,
+    steps: int = 300,
+    lr: float = 1e-3,
+    batch_size: int = 16,
+    seed: int = 0,
+    max_length: int | None = 512,
+    weight_decay: float = 0.0,
+    warmup_steps: int = 10,
+    grad_clip: float = 1.0,
+    device: str = "cpu",
+    log_every: int = 10,
+) -> dict[str, Any]:
+    """Fine-tune `model_dir` on the assistant turns of `examples`; save to `out_dir`.
+
+    Returns metrics: initial/final loss (mean over the first/last `log_every` steps),
+    the loss curve (one point per `log_every` steps), seconds, token counts. Learning
+    rate: linear warm-up for `warmup_steps`, then cosine decay to 10%.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if steps <= 0 or batch_size <= 0:
+        raise ValueError(f"steps and batch_size must be positive, got {steps}, {batch_size}")
+    if not examples:
+        raise ValueError("no examples")
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    model.to(device)
+    model.train()
+
+    data = [tokenize_chat(tokenizer, chat, max_length) for chat in examples]
+    data = [(ids, m) for ids, m in data if sum(m) > 0]
+    if not data:
+        raise ValueError("no example has an assistant turn to learn from")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    optim = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay
+    )
+
+    def lr_at(step: int) -> float:
+        if step < warmup_steps:
+            return lr * (step + 1) / warmup_steps
+        frac = (step - warmup_steps) / max(1, steps - warmup_steps)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    order: list[int] = []
+    losses: list[float] = []
+    n_tokens = 0
+    start = time.perf_counter()
+    for step in range(steps):
+        batch = []
+        for _ in range(batch_size):
+            if not order:
+                order = list(range(len(data)))
+                rng.shuffle(order)
+            batch.append(data[order.pop()])
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        learn = torch.zeros((len(batch), width), dtype=torch.bool)
+        for row, (ids, m) in enumerate(batch):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            attention[row, : len(ids)] = 1
+            learn[row, : len(ids)] = torch.tensor(m, dtype=torch.bool)
+        input_ids, attention, learn = input_ids.to(device), attention.to(device), learn.to(device)
+
+        logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
+        targets = input_ids[:, 1:]
+        target_mask = learn[:, 1:]
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+        ).view_as(targets)
+        count = target_mask.sum().clamp(min=1)
+        loss = (nll * target_mask).sum() / count
+
+        for group in optim.param_groups:
+            group["lr"] = lr_at(step)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optim.step()
+        losses.append(float(loss.detach()))
+        n_tokens += int(count)
+    seconds = time.perf_counter() - start
+
+    model.eval()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    k = max(1, min(log_every, len(losses)))
+    metrics: dict[str, Any] = {
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "n_examples": len(data),
+        "initial_loss": sum(losses[:k]) / k,
+        "final_loss": sum(losses[-k:]) / k,
+        "loss_curve": [sum(losses[i : i + k]) / len(losses[i : i + k]) for i in range(0, len(losses), k)],
+        "n_train_tokens": n_tokens,
+        "seconds": seconds,
+        "train_tokens_per_second": n_tokens / seconds if seconds > 0 else 0.0,
+    }
+    (out / "warmup_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics

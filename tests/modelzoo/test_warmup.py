@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from rollover.modelzoo.warmup import read_chat_jsonl, sft_warmup, tokenize_chat
+
+SYSTEM = "Reply with ANSWER: <number>"
+QUESTIONS = ("What is {n}?", "Repeat the number {n}.", "The number is {n}. Reply with it.")
+
+
+def format_task(rng: random.Random) -> tuple[list[dict], int]:
+    n = rng.randint(0, 999)
+    chat = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": rng.choice(QUESTIONS).format(n=n)},
+        {"role": "assistant", "content": f"ANSWER: {n}"},
+    ]
+    return chat, n
+
+
+def format_rate(model_dir: Path, k: int = 20) -> float:
+    """Fraction of greedy replies that are exactly `ANSWER: <digits>`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rng = random.Random(1234)
+    hits = 0
+    for _ in range(k):
+        chat, _n = format_task(rng)
+        enc = tok.apply_chat_template(chat[:2], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=10, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        reply = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        hits += bool(re.fullmatch(r"ANSWER: \d+", reply.strip()))
+    return hits / k
+
+
+def test_mask_covers_assistant_tokens_and_eos(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chat = [
+        {"role": "user", "content": "What is 12?"},
+        {"role": "assistant", "content": "ANSWER: 12"},
+        {"role": "user", "content": "And 3?"},
+        {"role": "assistant", "content": "ANSWER: 3"},
+    ]
+    ids, mask = tokenize_chat(tok, chat)
+    learned = [i for i, m in zip(ids, mask) if m]
+    assert tok.decode(learned) == "ANSWER: 12<|im_end|>ANSWER: 3<|im_end|>"
+    # The prompt part is exactly what the engine would see for the first reply.
+    prompt = tok.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=False)
+    first = mask.index(1)
+    assert ids[:first] == tok.encode(prompt, add_special_tokens=False)
+    ids2, mask2 = tokenize_chat(tok, chat, max_length=5)
+    assert len(ids2) == len(mask2) == 5
+
+
+def test_read_chat_jsonl(tmp_path: Path) -> None:
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(chat) + "\n\n" + json.dumps({"messages": chat}) + "\n")
+    assert read_chat_jsonl(path) == [chat, chat]
+    path.write_text('{"not": "messages"}\n')
+    with pytest.raises(ValueError, match=":1:"):
+        read_chat_jsonl(path)
+
+
+def test_warmup_teaches_the_format(tiny_model_dir: Path, tmp_path: Path) -> None:
+    rng = random.Random(0)
+    examples = [format_task(rng)[0] for _ in range(2000)]
+    before = format_rate(tiny_model_dir)
+    out = tmp_path / "warm"
+    metrics = sft_warmup(tiny_model_dir, examples, out, steps=300, lr=3e-3, batch_size=16, seed=0)
+    after = format_rate(out)
+    print(f"\nwarm-up: format rate {before:.2f} -> {after:.2f}, loss "
+          f"{metrics['initial_loss']:.3f} -> {metrics['final_loss']:.3f} in {metrics['seconds']:.1f} s")
+    assert metrics["final_loss"] < metrics["initial_loss"] / 3
+    assert after >= 0.8 and after >= before + 0.5
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    assert json.loads((out / "warmup_metrics.json").read_text())["steps"] == 300
+
+
+def test_warmup_rejects_chats_without_assistant(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="assistant"):
+        sft_warmup(tiny_model_dir, [[{"role": "user", "content": "hi"}]], tmp_path / "x", steps=1)
