@@ -12,12 +12,16 @@ import time
 _PR_SET_PDEATHSIG = 1
 
 
+# Loaded once here: loading a library in a forked child of a threaded parent can deadlock.
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
+
+
 def die_with_parent() -> None:
     """`preexec_fn`: ask Linux to SIGKILL the child when its parent dies, so a crashed
-    trainer leaves no orphaned engines or agents behind."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    trainer leaves no orphaned engines or agents behind. The signal is tied to the thread
+    that forks, so spawn from threads that live as long as the parent (the main one)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def group_alive(pgid: int) -> bool:

@@ -58,7 +58,7 @@ def controller(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config, [*args.overrides, f"agentlightning.runner={args.runner}"])
-        return run_controller(config, gateway_url=args.gateway, admin_key=args.key)
+        return run_controller(config, gateway_url=args.gateway, admin_key=args.key, log_dir=args.log_dir)
     except (ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from None
 

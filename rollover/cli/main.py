@@ -40,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     controller.add_argument("--key", required=True, help="gateway admin key")
     controller.add_argument("--runner", choices=["local", "k8s"], default="local")
     controller.add_argument("--config", default=None, help="YAML config whose agentlightning section is used")
+    controller.add_argument("--log-dir", default=None, help="agent logs folder (default: a temp dir)")
     controller.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     controller.set_defaults(run=commands.controller)
 

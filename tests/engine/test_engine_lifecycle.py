@@ -1,0 +1,114 @@
+"""Start failures, crash detection and clean shutdown (one extra real server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from rollover.engine.testing import TEST_MAX_MODEL_LEN, alive, engine_family
+from rollover.engine.vllm_engine import EngineStartError, VLLMEngine, descendant_pids
+
+pytestmark = pytest.mark.vllm
+
+
+def wait_for(predicate, timeout_s: float, step: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()
+
+
+def small_engine(model_dir: Path, tmp_path: Path, **kwargs) -> VLLMEngine:
+    return VLLMEngine(model_dir, log_path=tmp_path / "vllm.log", max_model_len=TEST_MAX_MODEL_LEN,
+                      enforce_eager=True, start_timeout_s=240, **kwargs)
+
+
+def test_missing_model_dir_fails_at_once(tmp_path: Path) -> None:
+    engine = small_engine(tmp_path / "nope", tmp_path)
+    with pytest.raises(EngineStartError, match="no config.json"):
+        engine.start()
+    assert not engine.is_alive()
+
+
+def test_broken_model_dir_reports_exit_code_and_log_tail(tmp_path: Path) -> None:
+    model = tmp_path / "broken"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "no_such_arch", "architectures": ["Nope"]}))
+    engine = small_engine(model, tmp_path)
+    start = time.monotonic()
+    engine.start()
+    family: set[int] = set()
+    with pytest.raises(EngineStartError) as info:
+        family |= engine_family(engine)
+        engine.wait_ready()
+    elapsed = time.monotonic() - start
+    print(f"\nbroken model dir failed in {elapsed:.1f} s, exit code {info.value.exit_code}")
+    assert elapsed < 120
+    assert info.value.exit_code not in (None, 0)
+    assert "no_such_arch" in info.value.log_tail
+    assert 0 < len(info.value.log_tail.splitlines()) <= 40
+    assert not engine.is_alive() and not alive(family)
+
+
+def test_kill_is_detected_and_everything_is_swept(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with small_engine(tiny_model_dir, tmp_path) as engine:
+        family = engine_family(engine)
+        assert len(family) >= 3  # supervisor, API server, engine core (+ worker)
+        server = engine.server_pid
+        assert server is not None and server in family
+        os.kill(server, signal.SIGKILL)
+        assert wait_for(lambda: not engine.is_alive(), 15), "is_alive() did not notice the kill"
+        assert wait_for(lambda: not alive(family), 10), f"left behind: {alive(family)}"
+    engine.stop()  # idempotent after the context manager already stopped it
+
+
+def test_stop_during_startup_leaves_no_process(tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = small_engine(tiny_model_dir, tmp_path)
+    engine.start()
+    # Wait until vLLM's engine core exists (three processes or more), mid-startup.
+    assert wait_for(lambda: len(engine_family(engine)) >= 3, 60, step=0.2)
+    family = engine_family(engine)
+    pgid = engine.pid
+    start = time.monotonic()
+    engine.stop()
+    print(f"\nstop() mid-startup took {time.monotonic() - start:.1f} s for {len(family)} processes")
+    assert not engine.is_alive()
+    assert not alive(family)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)  # type: ignore[arg-type]
+    engine.stop()
+
+
+def test_parent_death_takes_vllm_down(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A trainer killed with SIGKILL must not leave vLLM running (and holding memory)."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from rollover.engine.vllm_engine import VLLMEngine, descendant_pids
+        e = VLLMEngine({str(tiny_model_dir)!r}, log_path={str(tmp_path / 'child.log')!r},
+                       max_model_len=256, enforce_eager=True)
+        e.start()
+        while len(descendant_pids(e.pid)) < 2:
+            time.sleep(0.2)
+        print(e.pid, flush=True)
+        time.sleep(600)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), HF_HUB_OFFLINE="1")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        supervisor = int(parent.stdout.readline())  # type: ignore[union-attr]
+        family = descendant_pids(supervisor) | {supervisor}
+        assert len(family) >= 3
+    finally:
+        parent.kill()
+        parent.wait()
+    assert wait_for(lambda: not alive(family), 30), f"orphans left: {alive(family)}"
