@@ -11,7 +11,7 @@ from rollover.config import RolloverConfig
 from rollover.training.data import write_tasks
 
 TRAIN_SIZE, VAL_SIZE = 2000, 64
-WARMUP_STEPS = int(os.environ.get("ROLLOVER_CALC_WARMUP_STEPS", "150"))
+WARMUP_STEPS = int(os.environ.get("ROLLOVER_CALC_WARMUP_STEPS", "250"))
 
 
 def prepare(config: RolloverConfig) -> RolloverConfig:

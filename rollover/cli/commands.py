@@ -45,11 +45,16 @@ def train(args: argparse.Namespace) -> int:
     from rollover.config import load_config
     from rollover.training.run import run_training
 
+    from rollover.engine.vllm_engine import EngineError
+
     try:
         config = load_config(args.config, args.overrides)
         return run_training(config)
     except (ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    except EngineError as exc:
+        print(f"rollover train: the inference engine failed: {exc}", file=sys.stderr)
+        return 1
 
 
 def controller(args: argparse.Namespace) -> int:

@@ -239,7 +239,7 @@ class VLLMEngine:
         enable_sleep_mode: bool | None = None,
         env: dict[str, str] | None = None,
         worker_extension: bool = True,
-        stop_grace_s: float = 10.0,
+        stop_grace_s: float = 5.0,
         enforce_eager: bool = False,
     ) -> None:
         if device not in ("cpu", "cuda"):

@@ -81,7 +81,7 @@ class MetricsLogger:
             for key, label, fmt in CONSOLE_KEYS:
                 if key in clean:
                     parts.append(f"{label}={fmt.format(clean[key])}")
-            self.console.print(" ".join(parts), highlight=False)
+            self.console.print(" ".join(parts), highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._jsonl is not None:

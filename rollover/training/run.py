@@ -82,6 +82,7 @@ def run_training(config: RolloverConfig) -> int:
     check_async_rollout(config)
     config = apply_setup_hook(config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     return asyncio.run(_run(config))
 
 

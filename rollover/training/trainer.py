@@ -230,9 +230,10 @@ class Trainer:
 
     # -- the step -------------------------------------------------------------------------
 
-    def _async_metrics(self, n_prev_carry_over: int, result: GroupedResult, inflight: int, drain: float) -> dict[str, float]:
+    def _async_metrics(self, step: int, n_prev_carry_over: int, result: GroupedResult, inflight: int, drain: float) -> dict[str, float]:
         completed = [r for g in result.completed_groups for r in g]
-        ages = [self.global_step + 1 - r.enqueued_step for r in result.new_carry_over_rollouts]
+        # Updates the carry-over has lived through once this step's update is done.
+        ages = [step + 1 - r.enqueued_step for r in result.new_carry_over_rollouts]
         metrics = {
             "training/async/n_prev_carry_over_rollouts": n_prev_carry_over,
             "training/async/n_completed_rollouts": len(completed),
@@ -241,7 +242,7 @@ class Trainer:
             "training/async/proxy_inflight_at_pause": inflight,
             "training/async/proxy_drain_seconds": drain,
             # rollouts consumed now that were enqueued in an earlier step: carry-over paying off
-            "training/async/n_completed_from_carry_over": sum(r.enqueued_step < self.global_step for r in completed),
+            "training/async/n_completed_from_carry_over": sum(r.enqueued_step < step for r in completed),
         }
         timed = [r for r in completed if r.created_at is not None and r.finished_at is not None]
         queue_wait = [r.started_at - r.created_at for r in timed if r.started_at is not None]
@@ -253,6 +254,7 @@ class Trainer:
         return metrics
 
     async def train_step(self) -> dict[str, float]:
+        step = self.global_step
         step_started = self.clock()
         n_stale = await self._apply_staleness_cap()
         new_prompts = self._next_train_batch_dict_for_rollout()
@@ -274,7 +276,7 @@ class Trainer:
 
         step_s = self.clock() - step_started
         metrics: dict[str, float] = {
-            **self._async_metrics(n_prev_carry_over, result, inflight, drain),
+            **self._async_metrics(step, n_prev_carry_over, result, inflight, drain),
             **sample_metrics,
             **update_metrics,
             "training/async/n_aborted_stale_rollouts": n_stale,

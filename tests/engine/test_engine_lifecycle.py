@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rollover.engine.testing import TEST_MAX_MODEL_LEN, alive, engine_family
-from rollover.engine.vllm_engine import EngineStartError, VLLMEngine, descendant_pids
+from rollover.engine.vllm_engine import EngineStartError, VLLMEngine, descendant_pids, group_members
 
 pytestmark = pytest.mark.vllm
 
@@ -84,8 +84,7 @@ def test_stop_during_startup_leaves_no_process(tiny_model_dir: Path, tmp_path: P
     print(f"\nstop() mid-startup took {time.monotonic() - start:.1f} s for {len(family)} processes")
     assert not engine.is_alive()
     assert not alive(family)
-    with pytest.raises(ProcessLookupError):
-        os.killpg(pgid, 0)  # type: ignore[arg-type]
+    assert not group_members(pgid)  # type: ignore[arg-type]  (zombies awaiting init do not count)
     engine.stop()
 
 
