@@ -10,7 +10,7 @@ from examples.calc.task import demonstration, make_tasks
 from rollover.config import RolloverConfig
 from rollover.training.data import write_tasks
 
-TRAIN_SIZE, VAL_SIZE = 2000, 64
+TRAIN_SIZE, VAL_SIZE = 2000, 128
 WARMUP_STEPS = int(os.environ.get("ROLLOVER_CALC_WARMUP_STEPS", "250"))
 
 

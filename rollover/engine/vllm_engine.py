@@ -1,8 +1,10 @@
 """vLLM's OpenAI-compatible server as a child process that Rollover owns.
 
 The server runs with `VLLM_SERVER_DEV_MODE=1`, which exposes the management endpoints we
-use for weight sync: `POST /collective_rpc` (method `reload_weights`), `POST
-/reset_prefix_cache`, and on GPU `POST /sleep` / `POST /wake_up`.
+use for weight sync: `POST /collective_rpc` (method `rollover_reload_weights` from our
+worker extension, or vLLM's own `reload_weights`), `POST /reset_prefix_cache`, and on GPU
+`POST /sleep` / `POST /wake_up`. The process tree: a small supervisor (process-group
+leader, see `_SUPERVISOR`) -> vLLM API server -> engine core -> worker.
 """
 
 from __future__ import annotations
@@ -241,6 +243,7 @@ class VLLMEngine:
         worker_extension: bool = True,
         stop_grace_s: float = 5.0,
         enforce_eager: bool = False,
+        logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs",
     ) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -256,6 +259,10 @@ class VLLMEngine:
         self.stop_grace_s = stop_grace_s
         # Eager mode skips torch.compile: ~10 s faster start on CPU, slower decoding.
         self.enforce_eager = enforce_eager
+        # raw: log-softmax of the model's logits (what a trainer recomputes at T=1).
+        # processed: after temperature/top-k/top-p, i.e. the distribution sampled from;
+        # use it when sampling at T != 1 and the trainer divides its logits by T.
+        self.logprobs_mode = logprobs_mode
         self.device = device
         self.gpu_memory_utilization = gpu_memory_utilization
         # Sleep mode is what frees GPU memory for the collocated trainer; vLLM's CPU
@@ -325,6 +332,8 @@ class VLLMEngine:
             args.append("--enable-sleep-mode")
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.logprobs_mode != "raw_logprobs":
+            args += ["--logprobs-mode", self.logprobs_mode]
         if self.worker_extension:
             args += ["--worker-extension-cls", WORKER_EXTENSION]
         return args + list(self.extra_args)
@@ -410,6 +419,10 @@ class VLLMEngine:
         self.start_seconds = time.monotonic() - self._started_at
         log.info("vLLM ready in %.1f s", self.start_seconds)
         return self.start_seconds
+
+    async def async_wait_ready(self, timeout_s: float | None = None) -> float:
+        """`wait_ready` without blocking the event loop."""
+        return await asyncio.to_thread(self.wait_ready, timeout_s)
 
     def is_alive(self) -> bool:
         """True while the server process runs (it may still be starting)."""
@@ -533,6 +546,8 @@ class VLLMEngine:
         re-register with the attached gateway. Traffic should be drained first: requests
         running during the reload may mix old and new weights. If the engine sleeps
         (GPU), the weights are woken first and the KV cache after. Returns the version.
+        Raises `EngineError` if vLLM refuses the reload (version unchanged), and
+        `GatewayRegistrationError` if only the re-registration failed (version bumped).
         """
         wdir = Path(weights_dir).absolute()
         if not any(wdir.glob("*.safetensors")):

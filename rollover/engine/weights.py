@@ -58,7 +58,8 @@ def save_weights(
 
     The tensors are written into a fresh sibling temp folder that is then renamed to
     `out_dir`, so a reader (the engine) never sees a half-written file. An existing
-    `out_dir` is replaced. `dtype` casts floating tensors (e.g. to the engine's dtype, to
+    `out_dir` is replaced. The engine must see the same filesystem; a tmpfs such as
+    /dev/shm makes the round trip cheapest. `dtype` casts floating tensors (e.g. to the engine's dtype, to
     halve the bytes written for a bfloat16 engine). Returns `out_dir` as an absolute path.
     """
     from safetensors.torch import save_file
@@ -74,10 +75,9 @@ def save_weights(
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
+        # No fsync: the engine reads through the same page cache, so the rename alone
+        # makes the file visible whole; these weights are not a crash-safe checkpoint.
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        # Data must be on disk before the rename makes it visible.
-        with open(tmp / WEIGHTS_FILE, "rb") as f:
-            os.fsync(f.fileno())
         os.chmod(tmp, 0o755)
         if out.exists():
             # rename() cannot replace a non-empty folder: move the old one aside first.

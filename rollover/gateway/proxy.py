@@ -130,6 +130,9 @@ def prepare_request(body: dict[str, Any], endpoint: str, mode: Mode, model: str,
     upstream["stream"] = False
     upstream.pop("stream_options", None)
     if mode == "train":
+        # Sample from the full temperature-1 softmax the trainer optimises, whatever the agent
+        # asked for, so the recorded logprobs are the behaviour policy's.
+        upstream.update(top_p=1.0, top_k=-1, min_p=0.0)
         if endpoint == "chat/completions":
             upstream["logprobs"] = True
         elif not isinstance(upstream.get("logprobs"), int) or isinstance(upstream.get("logprobs"), bool):

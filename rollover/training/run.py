@@ -78,12 +78,14 @@ class EngineWeightSync:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def run_training(config: RolloverConfig) -> int:
+def run_training(config: RolloverConfig, engine: Any = None) -> int:
+    """The whole system for one run. `engine`: an already running `VLLMEngine` serving the
+    same tokenizer (tests share one across runs); its weights are reset to the run's model."""
     check_async_rollout(config)
     config = apply_setup_hook(config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    return asyncio.run(_run(config))
+    return asyncio.run(_run(config, engine))
 
 
 def _required(value: str | None, key: str) -> str:
@@ -92,7 +94,7 @@ def _required(value: str | None, key: str) -> str:
     return value
 
 
-async def _run(config: RolloverConfig) -> int:
+async def _run(config: RolloverConfig, shared_engine: Any = None) -> int:
     from rollover.controller import Controller
     from rollover.engine.vllm_engine import VLLMEngine
     from rollover.gateway.auth import new_admin_key
@@ -136,7 +138,7 @@ async def _run(config: RolloverConfig) -> int:
         ],
     )
     device = pick_device(config.trainer.device).type
-    engine = VLLMEngine(
+    engine = shared_engine or VLLMEngine(
         model_path,
         served_model_name=config.actor_rollout_ref.model.served_model_name,
         max_model_len=rollout.max_model_len,
@@ -158,9 +160,13 @@ async def _run(config: RolloverConfig) -> int:
     try:
         gateway.start()
         print(f"gateway {gateway.url}  run folder {run_dir}", file=sys.stderr, flush=True)
-        engine.start()
+        if shared_engine is None:
+            engine.start()
         policy = await asyncio.to_thread(Policy, model_path, config)
-        await asyncio.to_thread(engine.wait_ready)
+        if shared_engine is None:
+            await asyncio.to_thread(engine.wait_ready)
+        else:
+            await engine.load_weights(model_path, version=0)
         client = GatewayClient(gateway.url, admin_key)
         async with Controller(config, client, log_dir=run_dir / "agent_logs") as controller:
             trainer = Trainer(
@@ -188,7 +194,8 @@ async def _run(config: RolloverConfig) -> int:
         metrics.close()
         if client is not None:
             await client.aclose()
-        engine.stop()
+        if shared_engine is None:
+            engine.stop()
         gateway.stop()
 
 
