@@ -33,3 +33,33 @@ def stub() -> Iterator[StubUpstream]:
 def admin(gateway: GatewayThread) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30) as client:
         yield client
+
+
+# -- one warmed-up calc model and one vLLM server for the whole session -------------------
+
+
+@pytest.fixture(scope="session")
+def calc_model(tmp_path_factory):
+    """The calc example's tiny model, built and warmed up locally once per session."""
+    from examples.calc.prepare import WARMUP_STEPS, tiny_calc_model
+
+    return tiny_calc_model(tmp_path_factory.mktemp("calc-model") / f"tiny-warm{WARMUP_STEPS}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(calc_model):
+    """Engine tests run on the same model so the session needs a single vLLM server."""
+    return calc_model
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(calc_model, tmp_path_factory):
+    from rollover.engine.testing import alive, engine_family, start_test_engine
+
+    engine = start_test_engine(calc_model, log_path=tmp_path_factory.mktemp("vllm-log") / "vllm.log")
+    try:
+        yield engine
+    finally:
+        family = engine_family(engine)
+        engine.stop()
+        assert not alive(family), "vLLM processes left after stop()"

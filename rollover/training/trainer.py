@@ -297,7 +297,8 @@ class Trainer:
         if not self.val_tasks:
             return {}
         await self._resume_gateway()
-        prompts = [Prompt(data_id=f"val-{self.global_step}-{i}", input=task) for i, task in enumerate(self.val_tasks)]
+        tasks = self.val_tasks[: self.config.data.val_batch_size]
+        prompts = [Prompt(data_id=f"val-{self.global_step}-{i}", input=task) for i, task in enumerate(tasks)]
         val_manager = AsyncRolloutManager(self.backend, train_rollout_n=1)
         result = await val_manager.enqueue_and_wait_until_group_completed(
             prompts, [], target_finished_group_num=len(prompts), step=self.global_step, is_train=False

@@ -42,6 +42,7 @@ def test_chat_call_is_forced_and_recorded(gateway, admin, registered):
     sent = registered.behaviour.requests[-1]
     assert sent["model"] == "policy" and sent["temperature"] == 1.0
     assert sent["return_token_ids"] is True and sent["logprobs"] is True
+    assert (sent["top_p"], sent["top_k"], sent["min_p"]) == (1.0, -1, 0.0)
     [event] = admin.get(f"/api/rollouts/{rid}/events", params={"event_type": "model_request"}).json()
     data = event["data"]
     assert data["policy_version"] == 7 and data["latency_s"] > 0 and data["mode"] == "train"

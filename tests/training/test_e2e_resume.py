@@ -1,0 +1,79 @@
+"""kill -9 of `rollover train` mid-run, then `resume=true` finishes the same run."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rollover.metrics import read_jsonl
+
+pytestmark = pytest.mark.vllm
+
+CALC_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "calc" / "config.yaml"
+
+
+def engine_and_gateway_pids() -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if b"vllm" in cmdline.lower() or b"rollover.cli.main gateway" in cmdline or b"agent_main" in cmdline:
+                found.add(int(entry.name))
+    return found
+
+
+def train_command(tmp_path, calc_model, *extra):
+    return [
+        sys.executable, "-m", "rollover.cli.main", "train", str(CALC_CONFIG),
+        f"trainer.default_local_dir={tmp_path}", "trainer.experiment_name=resumable",
+        f"actor_rollout_ref.model.path={calc_model}", "trainer.total_training_steps=4",
+        "trainer.save_freq=1", "data.val_batch_size=8",
+        "agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size=8",
+        *extra,
+    ]
+
+
+def test_kill_9_then_resume_completes_the_run(tmp_path, calc_model, monkeypatch):
+    monkeypatch.setenv("ROLLOVER_CALC_LATENCY_MEDIAN", "0.3")
+    run_dir = tmp_path / "resumable"
+    before = engine_and_gateway_pids()
+    with open(tmp_path / "first.log", "wb") as log:
+        first = subprocess.Popen(train_command(tmp_path, calc_model), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 420
+    while time.monotonic() < deadline:
+        latest = run_dir / "checkpoints" / "latest"
+        if latest.exists() and int(latest.read_text().removeprefix("step_")) >= 2:
+            break
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(0.5)
+    else:
+        pytest.fail("no checkpoint at step 2 in time: " + (tmp_path / "first.log").read_text()[-3000:])
+    time.sleep(1.0)  # let step 3 get under way: rollouts in flight when the trainer dies
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    time.sleep(3)
+    # Parent-death signals took the gateway, vLLM and the agents down with the trainer.
+    assert engine_and_gateway_pids() - before == set()
+
+    second = subprocess.run(train_command(tmp_path, calc_model, "resume=true"), capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed step_" in second.stderr
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "training/async/n_completed_rollouts" in r]
+    assert steps[-1] == 4 and set(range(1, 5)) <= set(steps)
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_4"
+    with sqlite3.connect(run_dir / "store.db") as db:
+        unfinished = db.execute("SELECT COUNT(*) FROM rollouts WHERE state IN ('queuing', 'running')").fetchone()[0]
+        aborted = db.execute("SELECT COUNT(*) FROM rollouts WHERE error_message LIKE 'aborted: trainer restarted%'").fetchone()[0]
+    assert unfinished == 0
+    assert aborted > 0  # the dead run's rollouts were reconciled, not left running
+    state = json.loads((run_dir / "checkpoints" / "step_4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and state["policy_version"] == 4
