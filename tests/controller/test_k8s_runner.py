@@ -277,8 +277,11 @@ async def test_jobs_are_created_no_faster_than_the_rate_limit(client: GatewayCli
             assert (await wait_for_rollout(client, rollout_id)).state == RolloutState.SUCCEEDED
     assert len(times) == count
     spacing = 60 / per_minute
+    # Arrival times at the API server carry scheduling jitter on a loaded machine: check the
+    # overall rate, and that no two Jobs came anywhere near a burst.
+    assert times[-1] - times[0] >= (count - 1) * spacing - 0.05, times
     for earlier, later in zip(times, times[1:]):
-        assert later - earlier >= spacing - 0.02, times
+        assert later - earlier >= spacing / 2, times
     assert times[-1] - times[0] < (count - 1) * spacing + 1.0  # and not much slower either
 
 

@@ -1,0 +1,87 @@
+"""The ScienceWorld agent: a real program that plays one ScienceWorld episode, asking the
+policy (through Rollover's gateway) for one action per turn.
+
+Each turn the policy sees the system prompt (the protocol and the simulator's action
+templates), the task with the first observation, and the latest turns; the conversation is
+windowed to a character budget so it never outgrows the model's context. The episode ends when
+the task is done or failed, at the step cap, or when the gateway refuses a call (HTTP 400, e.g.
+a prompt too long). Reward: final score / 100. The simulator's JVM is always stopped.
+
+Settings (environment, read when the agent starts):
+  ROLLOVER_SW_MAX_STEPS     actions per episode (default 8)
+  ROLLOVER_SW_MAX_TOKENS    max tokens per reply (default 48)
+  ROLLOVER_SW_OBS_CHARS     characters kept of each observation (default 400)
+  ROLLOVER_SW_PROMPT_CHARS  character budget of the whole conversation (default 3000)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+
+from examples.sw.task import SYSTEM_PROMPT, ScienceWorld, parse_action, play
+from rollover.agent import AgentContext
+
+
+@dataclass(frozen=True)
+class Settings:
+    max_steps: int = 8
+    max_tokens: int = 48
+    obs_chars: int = 400
+    prompt_chars: int = 3000
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        env = os.environ
+        return cls(
+            max_steps=int(env.get("ROLLOVER_SW_MAX_STEPS", cls.max_steps)),
+            max_tokens=int(env.get("ROLLOVER_SW_MAX_TOKENS", cls.max_tokens)),
+            obs_chars=int(env.get("ROLLOVER_SW_OBS_CHARS", cls.obs_chars)),
+            prompt_chars=int(env.get("ROLLOVER_SW_PROMPT_CHARS", cls.prompt_chars)),
+        )
+
+
+def window(messages: list[dict[str, str]], budget: int) -> list[dict[str, str]]:
+    """System prompt, first user message (the task), and as many of the latest
+    (assistant, user) pairs as fit in `budget` characters; the last pair is always kept."""
+    head, turns = messages[:2], messages[2:]
+    size = sum(len(m["content"]) for m in messages)
+    while len(turns) > 2 and size > budget:
+        size -= len(turns[0]["content"]) + len(turns[1]["content"])
+        turns = turns[2:]
+    return head + turns
+
+
+class SWAgent:
+    def run(self, task: dict[str, Any]) -> None:
+        ctx = AgentContext.from_env()
+        client = ctx.openai()
+        settings = Settings.from_env()
+        world = ScienceWorld(step_limit=settings.max_steps + 1)
+        try:
+            messages: list[dict[str, str]] = []
+
+            def choose(observation: str) -> str | None:
+                if not messages:  # the templates are known once the task is loaded
+                    messages.append({"role": "system", "content": SYSTEM_PROMPT.format(templates=", ".join(world.action_templates()))})
+                messages.append({"role": "user", "content": observation})
+                try:
+                    reply = client.chat.completions.create(
+                        model="policy", messages=window(messages, settings.prompt_chars), max_tokens=settings.max_tokens
+                    )
+                except openai.BadRequestError as exc:  # e.g. the prompt outgrew the context
+                    print(f"policy call refused, episode ends: {exc}", flush=True)
+                    return None
+                text = reply.choices[0].message.content or ""
+                messages.append({"role": "assistant", "content": text})
+                return parse_action(text)
+
+            episode = play(world, task, choose, settings.max_steps, settings.obs_chars)
+        finally:
+            world.close()
+        print(f"task {task.get('id')}: {episode.steps} steps, score {episode.score}, actions {episode.actions}", flush=True)
+        ctx.emit("sw_episode", {"score": episode.score, "steps": episode.steps, "done": episode.done, "actions": episode.actions})
+        ctx.report_reward(episode.reward)

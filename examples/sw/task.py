@@ -1,0 +1,192 @@
+"""The ScienceWorld task: short science quests in a text simulator, played turn by turn.
+
+Protocol (the agent's system prompt says the same):
+  user:      the task, then what the agent sees ("This room is called the hallway. ...")
+  assistant: any reasoning, and one line  ACTION: <action>   (e.g. "ACTION: teleport to kitchen")
+  user:      the simulator's answer to that action, and so on up to a step cap
+An unparsable reply becomes "look around". The reward is the simulator's final score / 100,
+with partial credit for sub-goals; a failed task (score below 0) counts as 0.
+
+ScienceWorld runs in a JVM (the `scienceworld` package ships it; it needs Java). `ScienceWorld`
+wraps one simulator for one episode and always ends its JVM on `close()`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# Short quests: each needs a handful of actions with the "easy" simplifications
+# (teleporting, open doors and containers, self-watering pots, no wiring).
+TASK_NAMES = (
+    "find-living-thing",
+    "find-non-living-thing",
+    "find-plant",
+    "find-animal",
+    "lifespan-longest-lived",
+    "lifespan-shortest-lived",
+)
+SIMPLIFICATION = "easy"
+FALLBACK_ACTION = "look around"
+BLOCKED_ACTIONS = frozenset({"reset task"})  # would undo the episode's progress
+MAX_ACTION_CHARS = 80
+# The JVM runs for seconds only: the client compiler and the serial collector start fastest
+# and leave the CPU to the policy. Overridden by a JAVA_TOOL_OPTIONS set by the user.
+JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -Xss4m -Xmx768m"
+
+ACTION = re.compile(r"ACTION:[ \t]*([^\n]*)", re.IGNORECASE)
+
+SYSTEM_PROMPT = (
+    "You are an agent in ScienceWorld, a text simulator of a house and its surroundings. "
+    "Each turn you read what happened and choose ONE action. End your reply with a line "
+    "'ACTION: <action>', for example 'ACTION: teleport to kitchen' or 'ACTION: focus on apple'. "
+    "Action templates (OBJ is an object or place you have seen): {templates}."
+)
+
+
+def parse_action(text: str | None) -> str:
+    """The action after the first `ACTION:` in a reply, cleaned; "look around" if there is none."""
+    match = ACTION.search(text or "")
+    if match is None:
+        return FALLBACK_ACTION
+    action = match.group(1).strip().strip("`'\"*").strip()
+    action = re.sub(r"\s+", " ", action).rstrip(".!").strip().lower()[:MAX_ACTION_CHARS].strip()
+    if not action or action in BLOCKED_ACTIONS:
+        return FALLBACK_ACTION
+    return action
+
+
+def trim(text: str, limit: int) -> str:
+    """At most `limit` characters, tabs and blank lines squeezed, cut on a line end if one is near."""
+    text = re.sub(r"[ \t]+", " ", text).strip()
+    text = re.sub(r"\n\s*\n+", "\n", text)
+    if len(text) <= limit:
+        return text
+    cut = text[:limit]
+    newline = cut.rfind("\n")
+    return (cut[:newline] if newline > limit // 2 else cut).rstrip() + " ..."
+
+
+def reward_from_score(score: int) -> float:
+    return min(max(score, 0), 100) / 100.0
+
+
+def make_tasks(splits: dict[str, dict[str, list[int]]], split: str, per_task: int) -> list[dict[str, Any]]:
+    """Task inputs for one split (`train` or `val`): the first `per_task` of each task's
+    variations in that split, interleaved across tasks. `splits[task][split]` lists them."""
+    rows: list[dict[str, Any]] = []
+    for index in range(per_task):
+        for name in TASK_NAMES:
+            variations = splits[name][split]
+            if index < len(variations):
+                variation = int(variations[index])
+                rows.append({
+                    "id": f"sw-{name}-{variation}",
+                    "task_name": name,
+                    "variation": variation,
+                    "simplification": SIMPLIFICATION,
+                    "split": split,
+                })
+    return rows
+
+
+@dataclass
+class Episode:
+    task_description: str
+    score: int = 0
+    steps: int = 0
+    done: bool = False
+    actions: list[str] = field(default_factory=list)
+
+    @property
+    def reward(self) -> float:
+        return reward_from_score(self.score)
+
+
+class ScienceWorld:
+    """One ScienceWorld simulator (one JVM). Use it as a context manager, or call `close()`
+    in a `finally`: the JVM is stopped, and killed if it does not exit promptly."""
+
+    def __init__(self, step_limit: int = 100) -> None:
+        from scienceworld import ScienceWorldEnv
+
+        saved = os.environ.get("JAVA_TOOL_OPTIONS")
+        if saved is None:
+            os.environ["JAVA_TOOL_OPTIONS"] = JVM_OPTIONS
+        try:
+            self.env = ScienceWorldEnv("", envStepLimit=step_limit)
+        finally:
+            if saved is None:
+                os.environ.pop("JAVA_TOOL_OPTIONS", None)
+        self.process: subprocess.Popen = self.env._gateway.java_process
+        self._closed = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def action_templates(self) -> list[str]:
+        """The simulator's action templates ("open OBJ", ...), once a task is loaded."""
+        return [a for a in self.env.get_possible_actions() if a not in BLOCKED_ACTIONS]
+
+    def start(self, task_name: str, variation: int, simplification: str = SIMPLIFICATION) -> tuple[str, str]:
+        """Load a task variation; returns (task description, first observation)."""
+        self.env.load(task_name, variation, simplification)
+        observation, _ = self.env.reset()
+        return self.env.get_task_description(), observation
+
+    def step(self, action: str) -> tuple[str, int, bool]:
+        """(observation, score 0..100 or negative when failed, finished)."""
+        observation, _, done, info = self.env.step(action)
+        return observation, int(info["score"]), bool(done)
+
+    def variations(self, task_name: str) -> dict[str, list[int]]:
+        """The simulator's own train and dev (here: val) variations of a task."""
+        self.env.load(task_name, 0, SIMPLIFICATION)
+        return {"train": list(self.env.get_variations_train()), "val": list(self.env.get_variations_dev())}
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.env.close()
+        except Exception:  # the JVM may already be gone; it is killed below either way
+            pass
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=timeout)
+
+    def __enter__(self) -> "ScienceWorld":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def play(
+    world: ScienceWorld,
+    task: dict[str, Any],
+    choose: Callable[[str], str | None],
+    max_steps: int,
+    obs_chars: int = 100_000,
+) -> Episode:
+    """One episode: `choose(text)` gets the task and the first observation, then each step's
+    observation (trimmed to `obs_chars`), and answers an action (None ends the episode)."""
+    description, observation = world.start(task["task_name"], int(task["variation"]), task.get("simplification", SIMPLIFICATION))
+    episode = Episode(task_description=description)
+    text = f"Task: {description}\n\n{trim(observation, obs_chars)}"
+    while episode.steps < max_steps and not episode.done:
+        action = choose(text)
+        if action is None:
+            break
+        observation, episode.score, episode.done = world.step(action)
+        episode.steps += 1
+        episode.actions.append(action)
+        text = trim(observation, obs_chars)
+    return episode

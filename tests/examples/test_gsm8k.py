@@ -1,0 +1,175 @@
+"""The gsm8k example: the answer verifier, the data, and 2 training steps through the system."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from examples.gsm8k import prepare as gsm_prepare
+from examples.gsm8k.task import answers_match, extract_answer, make_splits, parse_number, score
+from rollover.config import load_config
+from rollover.metrics import read_jsonl
+from rollover.training.data import read_tasks, write_tasks
+from rollover.training.run import run_training
+
+GSM_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "gsm8k" / "config.yaml"
+ASYNC_METRICS = (
+    "training/async/n_prev_carry_over_rollouts",
+    "training/async/n_completed_rollouts",
+    "training/async/n_new_carry_over_rollouts",
+    "training/async/new_carry_over_age_max_steps",
+    "training/async/proxy_inflight_at_pause",
+    "training/async/proxy_drain_seconds",
+)
+
+
+# -- the verifier -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("42", 42),
+        ("-17", -17),
+        ("+5", 5),
+        ("1,234", 1234),
+        ("1,234,567.5", Fraction(2469135, 2)),
+        ("$1,200", 1200),
+        ("$ 3.50", Fraction(7, 2)),
+        ("-$5", -5),
+        ("50%", 50),
+        ("12.5 %", Fraction(25, 2)),
+        ("3/4", Fraction(3, 4)),
+        ("-3 / 4", Fraction(-3, 4)),
+        ("1 1/2", Fraction(3, 2)),
+        ("0.75", Fraction(3, 4)),
+        (".5", Fraction(1, 2)),
+        ("12.", 12),
+        ("18 dollars.", 18),
+        ("\u22127", -7),
+        ("\\frac{3}{4}", Fraction(3, 4)),
+        ("\\$40", 40),
+        ("1.5e3", 1500),
+        ("The answer is 9 apples", 9),
+    ],
+)
+def test_parse_number(text, value):
+    assert parse_number(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "none", "x/y", "7/0", "$"])
+def test_parse_number_none(text):
+    assert parse_number(text) is None
+
+
+@pytest.mark.parametrize(
+    "reply, answer",
+    [
+        ("3 + 4 = 7\n#### 7", "7"),
+        ("#### 1,200.", "1,200."),
+        ("ANSWER: $18", "$18"),
+        ("Answer: 3/4", "3/4"),
+        ("first #### 5\nthen #### 6", "6"),
+        ("#### none\nanswer: 12", "12"),  # the last marker followed by a number
+        ("so it is \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("The total is 12 apples.", None),  # no marker: no final answer
+        ("####", None),
+    ],
+)
+def test_extract_answer(reply, answer):
+    assert extract_answer(reply) == answer
+
+
+@pytest.mark.parametrize(
+    "predicted, gold, same",
+    [
+        ("0.75", "3/4", True),
+        ("2.50", "2.5", True),
+        ("$1,000", "1000", True),
+        ("50%", "50", True),
+        ("0.30000000000000004", "0.3", True),
+        ("-4", "-4", True),
+        ("10001", "10000", False),
+        ("4", "-4", False),
+        ("0.33", "1/3", False),
+        (None, "3", False),
+        ("abc", "3", False),
+    ],
+)
+def test_answers_match(predicted, gold, same):
+    assert answers_match(predicted, gold) is same
+
+
+def test_score():
+    task = {"answer": "288"}
+    assert score(task, "105 + 55 = 160, 160 + 128 = 288\n#### 288") == 1.0
+    assert score(task, "#### 288.0") == 1.0
+    assert score(task, "#### 287") == 0.0
+    assert score(task, "the answer is 288") == 0.0  # the protocol's marker is required
+
+
+# -- the data -------------------------------------------------------------------------------------
+
+
+def test_task_generation_is_deterministic_and_split():
+    train, val = make_splits(30, 10, seed=3)
+    again_train, again_val = make_splits(30, 10, seed=3)
+    assert (train, val) == (again_train, again_val)
+    assert len(train) == 30 and len(val) == 10
+    assert not {t["question"] for t in train} & {t["question"] for t in val}
+    assert len({t["id"] for t in train + val}) == 40
+    for task in train + val:
+        assert parse_number(task["answer"]) is not None and task["question"]
+    other, _ = make_splits(30, 10, seed=4)
+    assert [t["question"] for t in other] != [t["question"] for t in train]
+
+
+def test_prepare_writes_cached_data(tmp_path, monkeypatch):
+    monkeypatch.setattr(gsm_prepare, "TRAIN_SIZE", 12)
+    monkeypatch.setattr(gsm_prepare, "VAL_SIZE", 4)
+    config = load_config(GSM_CONFIG, [f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.model.path=/some/model"])
+    config = gsm_prepare.prepare(config)
+    assert len(read_tasks(config.data.train_files)) == 12 and len(read_tasks(config.data.val_files)) == 4
+    assert Path(config.data.train_files).parent == tmp_path / "_cache" / "gsm8k"
+    assert config.actor_rollout_ref.model.path == "/some/model"
+    assert config.agentlightning.async_rollout.async_train_batch_size == 2 * config.data.train_batch_size
+
+
+# -- 2 training steps through the real system -------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_gsm8k_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch):
+    """The tiny calc model knows nothing of GSM: rewards are ~0; the point is that the whole
+    loop runs, every agent reports a reward, and the async metrics are written."""
+    monkeypatch.setenv("ROLLOVER_GSM_MAX_TOKENS", "16")
+    train, val = make_splits(40, 8, seed=5)
+    short = [t for t in train if len(t["question"]) < 260]  # fits the test engine's 512 tokens
+    write_tasks(tmp_path / "train.jsonl", short)
+    write_tasks(tmp_path / "val.jsonl", [t for t in val if len(t["question"]) < 260][:2] or short[:2])
+    config = load_config(
+        GSM_CONFIG,
+        [
+            f"trainer.default_local_dir={tmp_path}",
+            "trainer.experiment_name=gsm8k-smoke",
+            f"actor_rollout_ref.model.path={calc_model}",
+            "trainer.total_training_steps=2",
+            f"data.train_files={tmp_path / 'train.jsonl'}",
+            f"data.val_files={tmp_path / 'val.jsonl'}",
+            "data.val_batch_size=2",
+        ],
+    )
+    assert run_training(config, engine=vllm_engine) == 0
+    rows = read_jsonl(tmp_path / "gsm8k-smoke" / "metrics.jsonl")
+    train_rows = [r for r in rows if "training/async/n_completed_rollouts" in r]
+    assert len(train_rows) == 2
+    for row in train_rows:
+        for key in ASYNC_METRICS:
+            assert key in row, key
+        assert row["training/async/n_completed_rollouts"] == 2 * 4
+        assert row["rollouts/n_failed"] == 0 and row["rollouts/n_missing_reward"] == 0
+        assert 0.0 <= row["reward/mean"] <= 1.0
+    val_rows = [r for r in rows if "val/reward_mean" in r]
+    assert val_rows and all(r["val/n_failed"] == 0 for r in val_rows)
