@@ -1,0 +1,192 @@
+"""The ScienceWorld example: action protocol, the simulator wrapper (its JVM always ends), a
+scripted episode, the prepare hook's split, and a short training run through the real system."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from examples.sw.agent import window
+from examples.sw.task import FALLBACK_ACTION, TASK_NAMES, ScienceWorld, parse_action, play, reward_from_score, trim
+from rollover.config import load_config
+from rollover.metrics import read_jsonl
+
+SW_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "sw" / "config.yaml"
+ASYNC_METRICS = (
+    "training/async/n_prev_carry_over_rollouts",
+    "training/async/n_completed_rollouts",
+    "training/async/n_new_carry_over_rollouts",
+    "training/async/new_carry_over_age_max_steps",
+    "training/async/proxy_inflight_at_pause",
+    "training/async/proxy_drain_seconds",
+)
+
+
+def scienceworld_jvms() -> set[int]:
+    """Pids of running JVMs that serve ScienceWorld (zombies excluded)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"scienceworld" in cmdline and b"java" in cmdline.split(b"\0")[0] and state != b"Z":
+            pids.add(int(entry.name))
+    return pids
+
+
+@pytest.mark.parametrize(
+    "reply, action",
+    [
+        ("ACTION: teleport to kitchen", "teleport to kitchen"),
+        ("I should look.\nAction:  Focus on  Red Apple.\nmore text", "focus on red apple"),
+        ("action: `open door to hallway`", "open door to hallway"),
+        ("ACTION: pick up thermometer\nACTION: wait", "pick up thermometer"),
+        ('ACTION: "look at table"', "look at table"),
+        ("teleport to kitchen", FALLBACK_ACTION),
+        ("ACTION:", FALLBACK_ACTION),
+        ("ACTION:\nteleport to kitchen", FALLBACK_ACTION),
+        ("ACTION: reset task", FALLBACK_ACTION),
+        ("", FALLBACK_ACTION),
+        (None, FALLBACK_ACTION),
+    ],
+)
+def test_parse_action(reply: str | None, action: str) -> None:
+    assert parse_action(reply) == action
+
+
+def test_long_actions_are_cut() -> None:
+    assert len(parse_action("ACTION: " + "go " * 100)) <= 80
+
+
+def test_trim_and_reward() -> None:
+    text = "This room is called the kitchen.\n\n\tthe agent\n\ta chair\n" + "\ta thing\n" * 100
+    trimmed = trim(text, 120)
+    assert len(trimmed) <= 124 and trimmed.endswith("...") and "\t" not in trimmed and "\n\n" not in trimmed
+    assert trim("short", 100) == "short"
+    assert [reward_from_score(s) for s in (-100, 0, 25, 100)] == [0.0, 0.0, 0.25, 1.0]
+
+
+def test_window_keeps_the_task_and_the_latest_turns() -> None:
+    messages = [{"role": "system", "content": "s" * 10}, {"role": "user", "content": "task" * 10}]
+    for i in range(5):
+        messages += [{"role": "assistant", "content": f"a{i}" * 10}, {"role": "user", "content": f"o{i}" * 10}]
+    assert window(messages, 10_000) == messages
+    kept = window(messages, 100)
+    assert kept[:2] == messages[:2] and kept[2:] == messages[-2:]  # over budget: still the last pair
+    kept = window(messages, 10 + 40 + 4 * 20)
+    assert kept[:2] == messages[:2] and kept[2:] == messages[-4:]
+    assert [m["role"] for m in kept] == ["system", "user", "assistant", "user", "assistant", "user"]
+
+
+def test_the_jvm_ends_on_close_and_on_error() -> None:
+    before = scienceworld_jvms()
+    with pytest.raises(RuntimeError, match="agent crashed"):
+        with ScienceWorld() as world:
+            pid = world.pid
+            assert pid in scienceworld_jvms()
+            world.start("find-non-living-thing", 0)
+            raise RuntimeError("agent crashed")
+    assert pid not in scienceworld_jvms()
+    world.close()  # idempotent
+    assert scienceworld_jvms() <= before
+
+
+def test_scripted_episode_scores() -> None:
+    actions = iter(["teleport to kitchen", "look around", "focus on table"])
+    seen: list[str] = []
+
+    def choose(text: str) -> str | None:
+        seen.append(text)
+        return next(actions, None)
+
+    with ScienceWorld() as world:
+        episode = play(world, {"task_name": "find-non-living-thing", "variation": 0}, choose, max_steps=10, obs_chars=300)
+        pid = world.pid
+    assert pid not in scienceworld_jvms()
+    assert seen[0].startswith("Task: Your task is to find a(n) non-living thing")
+    assert "kitchen" in seen[1] and all(len(text) <= 304 for text in seen[1:])
+    assert episode.steps == 3 and episode.actions == ["teleport to kitchen", "look around", "focus on table"]
+    assert 0 < episode.score < 100 and not episode.done  # focused on it, not yet moved it
+    assert episode.reward == episode.score / 100
+
+
+def test_prepare_splits_tasks_by_variation(tmp_path: Path) -> None:
+    from examples.sw.prepare import prepare
+    from rollover.training.data import read_tasks
+
+    config = load_config(SW_CONFIG, [f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.model.path=/given/model"])
+    config = prepare(config)
+    assert config.actor_rollout_ref.model.path == "/given/model"  # a given model is not converted
+    train, val = read_tasks(config.data.train_files), read_tasks(config.data.val_files)
+    assert {t["task_name"] for t in train} == {t["task_name"] for t in val} == set(TASK_NAMES)
+    for name in TASK_NAMES:
+        train_vars = {t["variation"] for t in train if t["task_name"] == name}
+        val_vars = {t["variation"] for t in val if t["task_name"] == name}
+        assert train_vars and val_vars and not train_vars & val_vars
+    assert len({t["id"] for t in train}) == len(train)
+    assert [t["task_name"] for t in train[: len(TASK_NAMES)]] == list(TASK_NAMES)  # interleaved
+    # cached: a second call reads the files again without a JVM
+    mtime = Path(config.data.train_files).stat().st_mtime
+    config2 = prepare(load_config(SW_CONFIG, [f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.model.path=/m"]))
+    assert config2.data.train_files == config.data.train_files
+    assert Path(config.data.train_files).stat().st_mtime == mtime
+
+
+def test_config_presets_async_at_one_and_a_half_the_batch() -> None:
+    config = load_config(SW_CONFIG, [])
+    async_rollout = config.agentlightning.async_rollout
+    assert async_rollout.enabled
+    assert async_rollout.async_train_batch_size == config.data.train_batch_size * 3 // 2
+    assert config.agentlightning.local.agent_class == "examples.sw.agent:SWAgent"
+
+
+@pytest.mark.vllm
+def test_two_training_steps_through_the_real_system(tmp_path: Path, calc_model: Path, vllm_engine, monkeypatch) -> None:
+    from rollover.training.run import run_training
+
+    # The session's engine serves the tiny calc model with a 512-token context.
+    for name, value in {
+        "ROLLOVER_SW_MAX_STEPS": "3",
+        "ROLLOVER_SW_MAX_TOKENS": "16",
+        "ROLLOVER_SW_OBS_CHARS": "150",
+        "ROLLOVER_SW_PROMPT_CHARS": "700",
+    }.items():
+        monkeypatch.setenv(name, value)
+    jvms_before = scienceworld_jvms()
+    config = load_config(
+        SW_CONFIG,
+        [
+            f"trainer.default_local_dir={tmp_path}",
+            "trainer.experiment_name=smoke",
+            f"actor_rollout_ref.model.path={calc_model}",
+            "trainer.total_training_steps=2",
+            "data.train_batch_size=1",
+            "data.val_batch_size=1",
+            "data.max_prompt_length=448",
+            "data.max_response_length=64",
+            "actor_rollout_ref.rollout.n=2",
+            "agentlightning.async_rollout.async_train_batch_size=2",
+            "agentlightning.rollout_timeout_seconds=180",
+        ],
+    )
+    assert run_training(config, engine=vllm_engine) == 0
+    rows = read_jsonl(tmp_path / "smoke" / "metrics.jsonl")
+    train = [r for r in rows if "training/async/n_completed_rollouts" in r]
+    val = [r for r in rows if "val/reward_mean" in r]
+    assert len(train) == 2
+    for row in train:
+        for key in ASYNC_METRICS:
+            assert key in row, key
+        assert row["training/async/n_completed_rollouts"] == 2
+        assert row["rollouts/n_failed"] == 0 and row["rollouts/n_missing_reward"] == 0
+        assert 0.0 <= row["reward/mean"] <= 1.0
+    assert val and all(r["val/n_failed"] == 0 for r in val)
+    logs = list((tmp_path / "smoke" / "agent_logs").rglob("*"))
+    assert any("steps, score" in p.read_text(errors="replace") for p in logs if p.is_file())
+    assert scienceworld_jvms() <= jvms_before

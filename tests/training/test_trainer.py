@@ -1,0 +1,73 @@
+"""Trainer behaviour beyond the manager: window top-up, staleness cap, drain timeout, checkpoints."""
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from rollover.config import load_config
+from rollover.gateway.client import GatewayClient
+from rollover.store.models import RolloutState
+from rollover.training.simulate import LogNormal, Scenario, Simulation
+from rollover.training.trainer import DrainTimeout, Trainer
+from tests.conftest import ADMIN_KEY
+
+
+def heavy_tail(steps=12, overrides=()):
+    return Scenario(LogNormal(median=1.0, sigma=1.5), batch_size=4, n=2, steps=steps, update_seconds=0.5, overrides=tuple(overrides))
+
+
+def test_window_is_topped_up_to_async_train_batch_size():
+    sim = Simulation(heavy_tail(), window=8)
+    result = sim.run()
+    for row in result.history:
+        groups_in_window = (row["training/async/n_completed_rollouts"] + row["training/async/n_new_carry_over_rollouts"]) / 2
+        assert groups_in_window == 8
+        assert row["training/async/n_completed_rollouts"] == 4 * 2
+
+
+def test_staleness_cap_aborts_and_requeues_old_groups():
+    cap = 1
+    capped = Simulation(heavy_tail(overrides=[f"agentlightning.async_rollout.max_carry_over_age_steps={cap}"]), window=12)
+    result = capped.run()
+    assert result.n_aborted_stale_rollouts > 0
+    # no group older than the cap (+ the step that consumes it) was ever trained on
+    assert max(c.age_steps for c in capped.gateway.consumed) <= cap + 1
+    stale = [r for r in capped.backend.rollouts.values() if (r.error_message or "").startswith("aborted: stale")]
+    assert len(stale) == result.n_aborted_stale_rollouts
+    assert all(r.state == RolloutState.FAILED for r in stale)
+    uncapped = Simulation(heavy_tail(), window=12).run()
+    assert uncapped.max_carry_over_age > cap + 1  # the cap is what made the difference
+
+
+def test_trainer_construction_checks_the_async_window():
+    config = load_config(None, ["agentlightning.async_rollout.enabled=true", "data.train_batch_size=4"])
+    with pytest.raises(ValueError, match="async_train_batch_size=None, train_batch_size=4"):
+        Trainer(config=config, client=None, policy=None, weight_sync=None, train_tasks=[{"id": 1}])
+
+
+def test_drain_timeout_names_the_stuck_rollouts(gateway, admin, stub):
+    stub.behaviour.delay_seconds = 3.0
+    admin.post("/api/models", json=[{"model": "policy", "endpoint": stub.base_url}])
+    [rollout] = admin.post("/api/rollouts", json=[{"input": {}}]).json()
+    rid = rollout["rollout_id"]
+    admin.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running"}})
+    url = f"{gateway.url}/proxy/rollout/{rid}/attempt/a1/mode/train/openai/v1/chat/completions"
+    call = threading.Thread(target=lambda: httpx.post(url, json={"messages": []}, headers={"x-api-key": ADMIN_KEY}, timeout=30))
+    call.start()
+    while admin.get("/proxy/state").json()["inflight"] == 0:
+        time.sleep(0.01)
+    config = load_config(None, ["gateway.drain_timeout_seconds=0.5"])
+
+    async def drain():
+        async with GatewayClient(gateway.url, ADMIN_KEY) as client:
+            trainer = Trainer(config=config, client=client, policy=None, weight_sync=None, train_tasks=[{"id": 1}])
+            await trainer._pause_and_drain_gateway()
+
+    with pytest.raises(DrainTimeout, match=rid):
+        asyncio.run(drain())
+    call.join()
+    state = admin.get("/proxy/state").json()
+    assert state["inflight"] == 0 and state["paused"] is True
