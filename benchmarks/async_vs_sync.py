@@ -290,7 +290,8 @@ def run_benchmark(settings: Settings, multipliers: Sequence[float] = (2.0,), eng
         from rollover.engine.testing import start_test_engine
 
         started = time.monotonic()
-        engine = start_test_engine(model, log_path=settings.out_dir / "engine.log")
+        # a loaded machine can take minutes to start vLLM
+        engine = start_test_engine(model, log_path=settings.out_dir / "engine.log", start_timeout_s=900)
         engine_start_s = time.monotonic() - started
     try:
         with agent_environment(settings.median, settings.sigma):

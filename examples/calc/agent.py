@@ -11,6 +11,7 @@ import math
 import os
 import random
 import time
+import zlib
 
 from examples.calc.task import ANSWER, CALL, SYSTEM_PROMPT, calculate, score
 from rollover.agent import AgentContext
@@ -31,8 +32,11 @@ class CalcAgent:
         rng = random.Random(ctx.rollout_id)
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task["question"]}]
         final = ""
-        for _ in range(MAX_TURNS):
-            reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=24)
+        for turn in range(MAX_TURNS):
+            # Held-out evaluations reuse one random stream per task and turn, so two evaluations
+            # of different policies differ only where the policies do (common random numbers).
+            seed = zlib.crc32(f"{task['id']}:{turn}".encode()) if ctx.mode == "val" else None
+            reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=24, seed=seed)
             text = reply.choices[0].message.content or ""
             messages.append({"role": "assistant", "content": text})
             if ANSWER.search(text):

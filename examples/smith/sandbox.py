@@ -2,7 +2,7 @@
 
 The tests run under a tiny built-in runner (plain `test_*` functions in `test_*.py` files,
 the subset of pytest the synthesised repos use; no pytest needed inside the sandbox):
-`python -I` in the repo folder, with a minimal environment, in a new process group that is
+`python -I -B` in the repo folder, with a minimal environment, in a new process group that is
 SIGKILLed when the wall-time limit passes (and after every run, so nothing it spawned
 survives), under `resource.setrlimit` limits on address space, CPU seconds, file size and
 core dumps, and tied to its parent's life (PR_SET_PDEATHSIG).
@@ -67,6 +67,8 @@ class Limits:
 
 @dataclass
 class TestReport:
+    __test__ = False  # not a pytest test class
+
     passed: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     timed_out: bool = False
@@ -113,11 +115,11 @@ def run_tests(repo: str | Path, limits: Limits = Limits()) -> TestReport:
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(repo),
         "LANG": "C.UTF-8",
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "PYTHONHASHSEED": "0",
     }
     process = subprocess.Popen(
-        [sys.executable, "-I", "-c", RUNNER],
+        # -I: no PYTHON* variables, user site or script folder on sys.path; -B: no stale .pyc
+        # (an edit within the same second and of the same size would not invalidate it).
+        [sys.executable, "-I", "-B", "-c", RUNNER],
         cwd=str(repo),
         env=env,
         stdin=subprocess.PIPE,

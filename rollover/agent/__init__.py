@@ -58,6 +58,11 @@ class AgentContext:
             input=json.loads(raw_input) if raw_input else None,
         )
 
+    @property
+    def mode(self) -> str:
+        """"train" or "val": the gateway's mode for this rollout, from its proxy URL."""
+        return "val" if "/mode/val/" in self.openai_base_url else "train"
+
     def openai(self, *, max_retries: int = DEFAULT_MAX_RETRIES, timeout: float = DEFAULT_TIMEOUT_SECONDS, **kwargs: Any):
         """A synchronous `openai.OpenAI` client; the OpenAI client honours `Retry-After` on 429."""
         from openai import OpenAI

@@ -38,7 +38,7 @@ def test_agent_lightning_v1_agent_works_unchanged(gateway, admin, rollout):
 
 def test_sdk_client_rides_out_a_pause(gateway, admin, rollout):
     ctx = AgentContext.from_env({**agent_env(gateway, rollout), "AGL_ROLLOUT_INPUT": '{"question": "2+2"}'})
-    assert ctx.input == {"question": "2+2"}
+    assert ctx.input == {"question": "2+2"} and ctx.mode == "train"
     admin.post("/proxy/pause", json={"reason": "update", "retry_after_seconds": 1})
     threading.Timer(1.5, lambda: admin.post("/proxy/resume")).start()
     started = time.monotonic()

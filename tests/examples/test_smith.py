@@ -235,7 +235,7 @@ def scripted_policy_app(script: list[dict[str, Any]], seen: list[dict[str, Any]]
     tool call of the script."""
     app = FastAPI()
 
-    @app.get("/health")
+    @app.get("/healthz")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
