@@ -206,3 +206,32 @@ def _restore(trainer: Any, policy: Any, checkpoint: Path) -> None:
     optimizer_state = checkpoint / "optimizer.pt"
     if optimizer_state.is_file():
         policy.optimizer.load_state_dict(torch.load(optimizer_state, map_location=policy.device))
+
+
+def example_main(config_path: str | Path, description: str | None = None, argv: list[str] | None = None) -> int:
+    """The command line shared by the examples' `train_*_agent.py` scripts:
+    `[--async] [--config C] [key=value ...]`, where `--async` sets the seed's recommended
+    window, async_train_batch_size = 2 * train_batch_size."""
+    import argparse
+
+    from rollover.config import load_config
+
+    root = Path(config_path).resolve().parents[2]
+    # Agent processes import `examples.*` too, from wherever the script is run.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--async", dest="use_async", action="store_true", help="async rollout, window = 2 x batch")
+    parser.add_argument("--config", default=str(config_path))
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        if args.use_async:
+            config.agentlightning.async_rollout.enabled = True
+            config.agentlightning.async_rollout.async_train_batch_size = 2 * config.data.train_batch_size
+        return run_training(config)
+    except (ConfigError, ValueError) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
