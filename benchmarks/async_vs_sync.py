@@ -13,7 +13,7 @@ and the figures of all runs are printed together:
 - the ideal speed-up for the rollout durations measured in the sync run's store
   (`rollover.training.simulate.ideal_speedup`), and the measured speed-up as a fraction of it.
 
-Usage: python benchmarks/async_vs_sync.py [--median 1.0] [--sigma 1.0] [--batch 4] [--n 4]
+Usage: python benchmarks/async_vs_sync.py [--median 3.0] [--sigma 1.0] [--batch 4] [--n 4]
        [--updates 6] [--sweep] [--json]
 """
 
@@ -49,7 +49,7 @@ DEFAULT_OUT = ROOT / "runs" / "bench" / "async_vs_sync"
 
 @dataclass(frozen=True)
 class Settings:
-    median: float = 1.0  # calculator latency, lognormal median seconds
+    median: float = 3.0  # calculator latency, lognormal median seconds
     sigma: float = 1.0
     batch: int = 4  # data.train_batch_size (groups per update)
     n: int = 4  # rollouts per group
@@ -87,6 +87,8 @@ class ModeResult:
     agent_start_s_mean: float  # rollout claimed -> its first model call reaches the gateway
     model_calls_per_rollout: float
     model_call_s_mean: float
+    load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)  # os.getloadavg() around the run
+    load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def speedup_over(self, sync: "ModeResult") -> float:
         return sync.train_s / self.train_s if self.train_s > 0 else 0.0
@@ -269,12 +271,18 @@ def run_mode(settings: Settings, engine: Any, model: Path, data: tuple[Path, Pat
     run_dir = settings.out_dir / name
     shutil.rmtree(run_dir, ignore_errors=True)  # each benchmark run starts clean
     config = mode_config(settings, name, window, model, data)
+    # A shared engine stays attached to the previous run's gateway, which is gone: without
+    # this, run_training's initial weight load fails re-registering with it.
+    engine.gateway_url = None
+    load_before = os.getloadavg()
     started = time.monotonic()
     code = run_training(config, engine=engine)
     wall_s = time.monotonic() - started
     if code != 0:
         raise RuntimeError(f"run_training({name}) exited with {code}; see {run_dir}")
-    return summarise_run("sync" if window is None else "async", window or settings.batch, run_dir, wall_s)
+    result = summarise_run("sync" if window is None else "async", window or settings.batch, run_dir, wall_s)
+    result.load_before, result.load_after = load_before, os.getloadavg()
+    return result
 
 
 def run_benchmark(settings: Settings, multipliers: Sequence[float] = (2.0,), engine: Any = None) -> Report:
@@ -293,6 +301,9 @@ def run_benchmark(settings: Settings, multipliers: Sequence[float] = (2.0,), eng
         # a loaded machine can take minutes to start vLLM
         engine = start_test_engine(model, log_path=settings.out_dir / "engine.log", start_timeout_s=900)
         engine_start_s = time.monotonic() - started
+    # The first run would otherwise pay this process's torch/transformers imports in its wall time.
+    import rollover.training.policy  # noqa: F401
+
     try:
         with agent_environment(settings.median, settings.sigma):
             sync = run_mode(settings, engine, model, data, None)
@@ -338,7 +349,7 @@ def format_report(report: Report) -> str:
     ]
     header = (
         f"{'mode':<11}{'window':>7}{'train s':>9}{'wall s':>8}{'speed-up':>9}{'of ideal':>9}{'idle':>6}"
-        f"{'age mean':>9}{'age max':>8}{'drain s':>8}{'rollout s':>10}{'start s':>8}{'busy s':>7}"
+        f"{'age mean':>9}{'age max':>8}{'drain s':>8}{'rollout s':>10}{'start s':>8}{'busy s':>7}{'load':>11}"
     )
     lines += [header, "-" * len(header)]
     rows = [(report.sync, None)] + [(r, r.speedup_over(report.sync)) for r in report.asyncs]
@@ -350,10 +361,12 @@ def format_report(report: Report) -> str:
             f"{label:<11}{result.window:>7}{result.train_s:>9.1f}{result.wall_s:>8.1f}{speed}{fraction}"
             f"{result.idle_fraction_mean:>6.0%}{result.carry_over_age_mean:>9.2f}{result.carry_over_age_max:>8.0f}"
             f"{result.drain_s_mean:>8.2f}{result.rollout_run_s_mean:>10.2f}{result.agent_start_s_mean:>8.2f}{result.busy_s_mean:>7.2f}"
+            f"{_load(result.load_before[:1] + result.load_after[:1]):>11}"
         )
     lines.append(
         f"ideal async speed-up for these durations: {report.ideal_speedup:.2f}x "
-        "(rollout_s: mean rollout run time; start_s: claim -> first model call; busy_s: trainer time per step not waiting)"
+        "(rollout_s: mean rollout run time; start_s: claim -> first model call; busy_s: trainer time per step not waiting; "
+        "load: 1-min load average before/after the run)"
     )
     if report.engine_start_s is not None:
         lines.append(f"vLLM engine start: {report.engine_start_s:.1f}s (once, not in any figure above)")
@@ -371,9 +384,9 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--median", type=_positive_float, default=1.0, help="tool latency median seconds (default 1.0)")
+def parser(add_help: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help)
+    p.add_argument("--median", type=_positive_float, default=1.0, help="tool latency median seconds (default 3.0)")
     p.add_argument("--sigma", type=float, default=1.0, help="tool latency lognormal sigma (default 1.0)")
     p.add_argument("--batch", type=int, default=4, help="data.train_batch_size (default 4)")
     p.add_argument("--n", type=int, default=4, help="rollouts per group (default 4)")

@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from examples.calc.task import demonstration, make_tasks
+import random
+
+from examples.calc.task import demonstration, guess, make_tasks
 from rollover.config import RolloverConfig
 from rollover.training.data import write_tasks
 
 TRAIN_SIZE, VAL_SIZE = 2000, 128
-WARMUP_STEPS = int(os.environ.get("ROLLOVER_CALC_WARMUP_STEPS", "250"))
+WARMUP_STEPS = int(os.environ.get("ROLLOVER_CALC_WARMUP_STEPS", "300"))
+GUESS_FRACTION = 0.5  # of warm-up transcripts that skip the calculator
 
 
 def prepare(config: RolloverConfig) -> RolloverConfig:
@@ -43,6 +46,10 @@ def tiny_calc_model(out: Path) -> Path:
     if not (base / "config.json").exists():
         corpus = [m["content"] for task in make_tasks(500, seed=3) for m in demonstration(task)]
         build_tiny_model(base, corpus=corpus, seed=0)
-    examples = [demonstration(task) for task in make_tasks(4000, seed=4, start=10_000)]
+    rng = random.Random(5)
+    examples = [
+        guess(task, rng) if rng.random() < GUESS_FRACTION else demonstration(task)
+        for task in make_tasks(4000, seed=4, start=10_000)
+    ]
     sft_warmup(base, examples, out, steps=WARMUP_STEPS, lr=3e-3, batch_size=16, seed=0)
     return out

@@ -73,3 +73,14 @@ def demonstration(task: dict[str, Any]) -> list[dict[str, str]]:
         {"role": "tool", "content": str(task["answer"])},
         {"role": "assistant", "content": f"ANSWER: {task['answer']}"},
     ]
+
+
+def guess(task: dict[str, Any], rng: random.Random) -> list[dict[str, str]]:
+    """A transcript that skips the tool and answers by (wrong) mental arithmetic. Warm-up data
+    mixes these in, so the starting policy often guesses and RL has to learn to use its tool."""
+    off = rng.choice([-11, -10, -2, -1, 1, 2, 9, 10])
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": task["question"]},
+        {"role": "assistant", "content": f"ANSWER: {task['answer'] + off}"},
+    ]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from examples.smith.sandbox import Limits, run_tests
+from examples.smith.sandbox import Limits, TestReport, run_tests
 
 # -- repo templates ------------------------------------------------------------------------------
 
@@ -446,7 +446,8 @@ def write_repo(root: str | Path, files: dict[str, str]) -> Path:
     return root
 
 
-def check_repo(files: dict[str, str], limits: Limits = Limits()) -> Any:
+def check_repo(files: dict[str, str], limits: Limits = Limits()) -> TestReport:
+    """Run a repo's tests in a throwaway folder."""
     with tempfile.TemporaryDirectory(prefix="smith-check-") as tmp:
         return run_tests(write_repo(tmp, files), limits)
 

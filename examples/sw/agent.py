@@ -1,7 +1,7 @@
 """The ScienceWorld agent: a real program that plays one ScienceWorld episode, asking the
 policy (through Rollover's gateway) for one action per turn.
 
-Each turn the policy sees the system prompt (the protocol and the simulator's action
+Each turn the policy sees the system prompt (the protocol and a short list of action
 templates), the task with the first observation, and the latest turns; the conversation is
 windowed to a character budget so it never outgrows the model's context. The episode ends when
 the task is done or failed, at the step cap, or when the gateway refuses a call (HTTP 400, e.g.
@@ -62,11 +62,9 @@ class SWAgent:
         settings = Settings.from_env()
         world = ScienceWorld(step_limit=settings.max_steps + 1)
         try:
-            messages: list[dict[str, str]] = []
+            messages = [{"role": "system", "content": SYSTEM_PROMPT}]
 
             def choose(observation: str) -> str | None:
-                if not messages:  # the templates are known once the task is loaded
-                    messages.append({"role": "system", "content": SYSTEM_PROMPT.format(templates=", ".join(world.action_templates()))})
                 messages.append({"role": "user", "content": observation})
                 try:
                     reply = client.chat.completions.create(

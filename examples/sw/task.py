@@ -39,11 +39,14 @@ JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -Xss4m -Xmx768m"
 
 ACTION = re.compile(r"ACTION:[ \t]*([^\n]*)", re.IGNORECASE)
 
+# The most useful of the simulator's action templates, in the words it accepts.
+ACTION_TEMPLATES = (
+    "look around", "look at OBJ", "teleport to PLACE", "open OBJ", "pick up OBJ",
+    "focus on OBJ", "move OBJ to OBJ", "inventory", "wait",
+)
 SYSTEM_PROMPT = (
-    "You are an agent in ScienceWorld, a text simulator of a house and its surroundings. "
-    "Each turn you read what happened and choose ONE action. End your reply with a line "
-    "'ACTION: <action>', for example 'ACTION: teleport to kitchen' or 'ACTION: focus on apple'. "
-    "Action templates (OBJ is an object or place you have seen): {templates}."
+    "You are an agent in ScienceWorld, a text world. Each turn, choose one action and end your "
+    "reply with a line 'ACTION: <action>'. Actions: " + ", ".join(ACTION_TEMPLATES) + "."
 )
 
 
@@ -127,10 +130,6 @@ class ScienceWorld:
     @property
     def pid(self) -> int:
         return self.process.pid
-
-    def action_templates(self) -> list[str]:
-        """The simulator's action templates ("open OBJ", ...), once a task is loaded."""
-        return [a for a in self.env.get_possible_actions() if a not in BLOCKED_ACTIONS]
 
     def start(self, task_name: str, variation: int, simplification: str = SIMPLIFICATION) -> tuple[str, str]:
         """Load a task variation; returns (task description, first observation)."""

@@ -286,6 +286,7 @@ class VLLMEngine:
         self._sleep_level = 0
         self._lock = threading.Lock()
         self.start_seconds: float | None = None
+        self.last_reload: Any = None
         self._started_at = 0.0
 
     # ---------------------------------------------------------------- addresses
@@ -397,7 +398,8 @@ class VLLMEngine:
         """
         if self._proc is None:
             raise EngineError("engine not started")
-        deadline = time.monotonic() + (self.start_timeout_s if timeout_s is None else timeout_s)
+        limit = self.start_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
         with httpx.Client(timeout=5.0, trust_env=False) as client:
             while True:
                 code = self._proc.poll()
@@ -412,9 +414,7 @@ class VLLMEngine:
                 except (httpx.HTTPError, ValueError):
                     pass
                 if time.monotonic() > deadline:
-                    raise self._fail_start(
-                        f"vLLM was not ready after {self.start_timeout_s if timeout_s is None else timeout_s:.0f} s"
-                    )
+                    raise self._fail_start(f"vLLM was not ready after {limit:.0f} s")
                 time.sleep(0.5)
         self.start_seconds = time.monotonic() - self._started_at
         log.info("vLLM ready in %.1f s", self.start_seconds)
@@ -561,6 +561,11 @@ class VLLMEngine:
             json={"method": method, "kwargs": {"weights_path": str(wdir)}},
         )
         log.debug("%s: %s", method, resp.text[:500])
+        try:
+            # One entry per worker; ours reports the in-engine reload seconds.
+            self.last_reload = resp.json()["results"][0]
+        except (ValueError, KeyError, IndexError, TypeError):
+            self.last_reload = None
         if sleeping:
             await self.wake_up(tags=["kv_cache"])
         await self.reset_prefix_cache()

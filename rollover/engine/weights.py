@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -109,10 +110,10 @@ class RolloverWorkerExtension:
     """
 
     def rollover_reload_weights(self, weights_path: str) -> dict[str, object]:
-        import time as _time
-
-        start = _time.perf_counter()
-        self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)  # type: ignore[attr-defined]
+        start = time.perf_counter()
+        self.reload_weights(  # type: ignore[attr-defined]
+            weights_path=weights_path, is_checkpoint_format=True
+        )
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         embedding_weights = {
             id(getattr(m, "weight", None))
@@ -129,4 +130,4 @@ class RolloverWorkerExtension:
             ):
                 quant_method.process_weights_after_loading(module)
                 refreshed.append(name)
-        return {"seconds": _time.perf_counter() - start, "refreshed_tied_heads": refreshed}
+        return {"seconds": time.perf_counter() - start, "refreshed_tied_heads": refreshed}

@@ -169,6 +169,8 @@ def build_tiny_model(
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
 
+    if arch not in ("qwen2", "llama"):
+        raise ValueError(f"arch must be 'qwen2' or 'llama', got {arch!r}")
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
     if vocab_size < 300:
@@ -202,8 +204,6 @@ def build_tiny_model(
         rope_theta=10000.0,
     )
     config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)
-    if arch not in ("qwen2", "llama"):
-        raise ValueError(f"arch must be 'qwen2' or 'llama', got {arch!r}")
     config.dtype = torch.float32
 
     torch.manual_seed(seed)

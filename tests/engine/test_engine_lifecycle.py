@@ -111,3 +111,32 @@ def test_parent_death_takes_vllm_down(tiny_model_dir: Path, tmp_path: Path) -> N
         parent.kill()
         parent.wait()
     assert wait_for(lambda: not alive(family), 30), f"orphans left: {alive(family)}"
+
+
+def test_command_line_and_environment(tmp_path: Path) -> None:
+    cpu = VLLMEngine(tmp_path, port=1234, log_path=tmp_path / "a.log", kv_cache_space_gb=2)
+    argv = cpu.command()
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--port") + 1] == "1234" and argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--served-model-name") + 1] == "policy"
+    assert "--enable-sleep-mode" not in argv and "--worker-extension-cls" in argv
+    env = cpu._env()
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    gpu = VLLMEngine(tmp_path, device="cuda", gpu_memory_utilization=0.4, log_path=tmp_path / "b.log",
+                     extra_args=["--seed", "3"], logprobs_mode="processed_logprobs")
+    argv = gpu.command()
+    assert "--enable-sleep-mode" in argv and argv[-2:] == ["--seed", "3"]
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.4"
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert VLLMEngine(tmp_path, log_path=tmp_path / "c.log").port > 0  # port=0 picks a free one
+
+
+async def test_sleep_needs_sleep_mode(tmp_path: Path) -> None:
+    from rollover.engine.vllm_engine import EngineError
+
+    engine = VLLMEngine(tmp_path, log_path=tmp_path / "a.log")
+    with pytest.raises(EngineError, match="sleep mode"):
+        await engine.sleep(1)
+    with pytest.raises(EngineError, match="not running"):
+        await engine.reset_prefix_cache()

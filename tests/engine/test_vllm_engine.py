@@ -181,3 +181,17 @@ async def test_gateway_rejection_is_an_error(
     with pytest.raises(GatewayRegistrationError, match="401"):
         await vllm_engine.register_with_gateway(url, "wrong")
     assert len(recorder.calls) == 1  # a 4xx is not retried
+
+
+async def test_registers_with_the_real_gateway(vllm_engine: VLLMEngine, tiny_model_dir: Path) -> None:
+    server_mod = pytest.importorskip("rollover.gateway.server")
+    with server_mod.GatewayThread(store_path=":memory:", admin_key="k") as gateway:
+        await vllm_engine.register_with_gateway(gateway.url, "k")
+        vllm_engine.attach_gateway(gateway.url, "k")
+        try:
+            version = await vllm_engine.load_weights(tiny_model_dir)
+        finally:
+            vllm_engine.gateway_url = None
+        listed = httpx.get(f"{gateway.url}/api/models", headers={"Authorization": "Bearer k"}).json()
+    mine = [e for e in listed if e["endpoint"] == vllm_engine.base_url]
+    assert len(mine) == 1 and mine[0]["model"] == "policy" and mine[0]["policy_version"] == version

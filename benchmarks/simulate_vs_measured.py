@@ -1,0 +1,224 @@
+"""The capacity planner against the real system: predicted vs measured async/sync speed-up.
+
+`rollover.training.simulate` runs the real trainer loop in virtual time. Here it gets what a
+real run measured: the rollout durations from the sync run's store (or a `--durations`
+file), the trainer's time per step outside the rollout (update + weight sync, from the sync
+run's metrics), the async run's mean drain, and the same batch, n, window, agent capacity and
+number of updates. It predicts the async/sync speed-up (averaged over `--sim-seeds` seeds:
+the measurement is one run of a few updates) and prints it next to the measured one, with the
+relative error, both with the planner's default (rollouts frozen during the update) and with
+rollouts progressing during it.
+
+Three ways to get the measurement:
+  python benchmarks/simulate_vs_measured.py [async_vs_sync flags]   # run async_vs_sync now
+  python benchmarks/simulate_vs_measured.py --from runs/bench/async_vs_sync   # its run folders
+  python benchmarks/simulate_vs_measured.py --durations d.jsonl --update-seconds 2 \\
+      --measured-speedup 1.4 [--batch 4 --n 4 --window 2 --updates 6]        # figures by hand
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import async_vs_sync  # noqa: E402
+from benchmarks.async_vs_sync import ModeResult  # noqa: E402
+from rollover.config import load_config  # noqa: E402
+from rollover.training.simulate import Empirical, Scenario, load_durations, simulate, window_sizes  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the planner is told about the real system."""
+
+    durations: Empirical
+    batch: int
+    n: int
+    capacity: int
+    updates: int  # per simulated run, as many as were measured
+    update_s: float  # trainer time per step outside the rollout, minus the weight sync
+    sync_s: float  # weight sync per step
+
+
+@dataclass(frozen=True)
+class Measured:
+    window: int
+    speedup: float  # sync training time / async training time, same number of updates
+    drain_s: float  # the async run's mean proxy_drain_seconds
+
+
+@dataclass
+class Comparison:
+    window: int
+    multiplier: float
+    measured: float
+    predicted: float  # rollouts frozen during update and sync (the planner's default)
+    predicted_running: float  # rollouts progressing during update and sync
+    drain_s: float
+
+    @property
+    def error(self) -> float:
+        return (self.predicted - self.measured) / self.measured
+
+    @property
+    def error_running(self) -> float:
+        return (self.predicted_running - self.measured) / self.measured
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"relative_error": self.error, "relative_error_running": self.error_running}
+
+
+def predict(inputs: Inputs, window: int, drain_s: float, seeds: int, freeze: bool = True) -> float:
+    """Expected speed-up of `window` over sync: total sync time / total async time over `seeds`
+    simulated runs of `inputs.updates` updates each."""
+    sync_total = async_total = 0.0
+    for seed in range(seeds):
+        scenario = Scenario(
+            distribution=inputs.durations,
+            batch_size=inputs.batch,
+            n=inputs.n,
+            capacity=inputs.capacity,
+            steps=inputs.updates,
+            update_seconds=inputs.update_s,
+            sync_seconds=inputs.sync_s,
+            drain_seconds=drain_s,
+            seed=seed,
+            pause_freezes_rollouts=freeze,
+        )
+        sync_total += simulate(scenario, None).wall_seconds
+        async_total += simulate(scenario, window).wall_seconds
+    return sync_total / async_total
+
+
+def compare(inputs: Inputs, measured: Sequence[Measured], seeds: int = 20) -> list[Comparison]:
+    return [
+        Comparison(
+            window=m.window,
+            multiplier=m.window / inputs.batch,
+            measured=m.speedup,
+            predicted=predict(inputs, m.window, m.drain_s, seeds, freeze=True),
+            predicted_running=predict(inputs, m.window, m.drain_s, seeds, freeze=False),
+            drain_s=m.drain_s,
+        )
+        for m in measured
+    ]
+
+
+def from_results(sync: ModeResult, asyncs: Sequence[ModeResult], capacity: int, durations: Empirical | None = None) -> tuple[Inputs, list[Measured]]:
+    """Planner inputs and measurements from an async_vs_sync run's results."""
+    inputs = Inputs(
+        durations=durations or load_durations(sync.run_dir),
+        batch=sync.window,
+        n=_run_config(sync.run_dir).actor_rollout_ref.rollout.n,
+        capacity=capacity,
+        updates=sync.updates,
+        update_s=max(sync.busy_s_mean - sync.weight_sync_s_mean, 0.0),
+        sync_s=sync.weight_sync_s_mean,
+    )
+    measured = [Measured(window=r.window, speedup=r.speedup_over(sync), drain_s=r.drain_s_mean) for r in asyncs]
+    return inputs, measured
+
+
+def _run_config(run_dir: str | Path) -> Any:
+    return load_config(Path(run_dir) / "config.yaml")
+
+
+def read_runs(out_dir: Path) -> tuple[ModeResult, list[ModeResult], int]:
+    """The sync and async-w* run folders an async_vs_sync run left in `out_dir`."""
+    sync_dir = out_dir / "sync"
+    if not (sync_dir / "metrics.jsonl").is_file():
+        raise SystemExit(f"{sync_dir} holds no metrics.jsonl: run benchmarks/async_vs_sync.py --out {out_dir} first")
+    config = _run_config(sync_dir)
+    sync = async_vs_sync.summarise_run("sync", config.data.train_batch_size, sync_dir, 0.0)
+    asyncs = []
+    for run_dir in sorted(out_dir.glob("async-w*"), key=lambda p: int(p.name.removeprefix("async-w"))):
+        window = _run_config(run_dir).agentlightning.async_rollout.async_train_batch_size
+        asyncs.append(async_vs_sync.summarise_run("async", window, run_dir, 0.0))
+    if not asyncs:
+        raise SystemExit(f"{out_dir} holds no async-w* run folder")
+    return sync, asyncs, config.agentlightning.local.max_concurrency
+
+
+def format_comparisons(inputs: Inputs, comparisons: Sequence[Comparison], load: Sequence[float] | None = None) -> str:
+    durations = inputs.durations.durations
+    lines = [
+        f"planner inputs: {len(durations)} measured durations (mean {statistics.fmean(durations):.2f}s, max {max(durations):.2f}s); "
+        f"batch {inputs.batch} x n {inputs.n}; capacity {inputs.capacity}; {inputs.updates} updates; "
+        f"update {inputs.update_s:.2f}s + weight sync {inputs.sync_s:.2f}s per step",
+    ]
+    if load is not None:
+        lines.append(f"load average {'/'.join(f'{x:.1f}' for x in load)} on {os.cpu_count()} CPUs")
+    header = f"{'window':>7}{'mult':>6}{'drain s':>8}{'measured':>10}{'predicted':>11}{'error':>8}{'pred. running':>15}{'error':>8}"
+    lines += [header, "-" * len(header)]
+    for c in comparisons:
+        lines.append(
+            f"{c.window:>7}{c.multiplier:>5g}x{c.drain_s:>8.2f}{c.measured:>9.2f}x{c.predicted:>10.2f}x{c.error:>+8.0%}"
+            f"{c.predicted_running:>14.2f}x{c.error_running:>+8.0%}"
+        )
+    lines.append("predicted: rollouts frozen during update + sync (planner default); pred. running: rollouts progress meanwhile")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[async_vs_sync.parser(add_help=False)])
+    parser.add_argument("--from", dest="from_dir", type=Path, default=None, help="compare the run folders an async_vs_sync run left here")
+    parser.add_argument("--durations", type=Path, default=None, help='durations: JSONL of {"duration_s": x}, a store or a run folder')
+    parser.add_argument("--update-seconds", type=float, default=None, help="with --measured-speedup: update time per step")
+    parser.add_argument("--sync-seconds", type=float, default=0.0, help="with --measured-speedup: weight sync per step (default 0)")
+    parser.add_argument("--drain-seconds", type=float, default=0.0, help="with --measured-speedup: drain per step (default 0)")
+    parser.add_argument("--measured-speedup", type=float, default=None, help="a measured async/sync speed-up to compare with")
+    parser.add_argument("--sim-seeds", type=int, default=20, help="simulated runs per prediction (default 20)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    given = load_durations(args.durations) if args.durations else None
+    load: Sequence[float] | None = None
+    measurement: dict[str, Any] | None = None
+    if args.measured_speedup is not None:
+        if given is None or args.update_seconds is None:
+            raise SystemExit("--measured-speedup needs --durations and --update-seconds")
+        [window] = window_sizes(args.batch, [args.window])
+        inputs = Inputs(given, args.batch, args.n, args.capacity or args.batch * args.n, args.updates, args.update_seconds, args.sync_seconds)
+        measured = [Measured(window, args.measured_speedup, args.drain_seconds)]
+    elif args.from_dir is not None:
+        sync, asyncs, capacity = read_runs(args.from_dir.resolve())
+        inputs, measured = from_results(sync, asyncs, capacity, given)
+    else:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
+        settings = async_vs_sync.settings_from(args)
+        report = async_vs_sync.run_benchmark(settings, async_vs_sync.SWEEP_WINDOWS if args.sweep else (args.window,))
+        measurement = report.to_json()
+        if not args.json:
+            print(async_vs_sync.format_report(report), end="\n\n")
+        inputs, measured = from_results(report.sync, report.asyncs, settings.agents, given)
+        load = report.load_after
+    comparisons = compare(inputs, measured, args.sim_seeds)
+    if args.json:
+        print(json.dumps({
+            "inputs": asdict(inputs) | {"durations": list(inputs.durations.durations)},
+            "comparisons": [c.to_json() for c in comparisons],
+            "loadavg": list(load or os.getloadavg()),
+            "measurement": measurement,
+        }))
+    else:
+        print(format_comparisons(inputs, comparisons, load or os.getloadavg()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

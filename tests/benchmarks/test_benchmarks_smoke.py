@@ -1,0 +1,73 @@
+"""Smoke runs of the benchmarks: each runs to completion and prints sane figures.
+
+Nothing here asserts a timing threshold; the figures themselves are in benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from benchmarks import async_vs_sync, drain_latency, simulate_vs_measured
+
+
+@pytest.mark.vllm
+def test_async_vs_sync_smoke(tmp_path, calc_model, vllm_engine, capsys):
+    settings = async_vs_sync.Settings(
+        median=0.01, sigma=0.5, batch=2, n=2, updates=2, out_dir=tmp_path, model=calc_model
+    )
+    report = async_vs_sync.run_benchmark(settings, (2.0,), engine=vllm_engine)
+    print(async_vs_sync.format_report(report))
+    assert report.sync.updates == 2 and report.sync.window == 2
+    [result] = report.asyncs
+    assert result.mode == "async" and result.window == 4 and result.updates == 2
+    for mode in (report.sync, result):
+        assert mode.train_s > 0 and mode.wall_s >= mode.train_s
+        assert 0 <= mode.idle_fraction_mean <= 1
+        assert mode.drain_s_mean >= 0 and mode.carry_over_age_max >= mode.carry_over_age_mean >= 0
+        assert mode.model_calls_per_rollout >= 1 and mode.agent_start_s_mean >= 0
+    assert report.sync.carry_over_age_max == 0  # sync keeps no carry-over
+    assert result.speedup_over(report.sync) > 0
+    assert report.ideal_speedup > 0 and report.durations["count"] >= 8
+    assert json.loads(json.dumps(report.to_json()))["async"][0]["speedup"] > 0
+
+    # The planner against the run folders just written.
+    assert simulate_vs_measured.main(["--from", str(tmp_path), "--sim-seeds", "2", "--json"]) == 0
+    [comparison] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["comparisons"]
+    assert comparison["window"] == 4 and comparison["measured"] > 0 and comparison["predicted"] > 0
+
+
+def test_drain_latency_smoke():
+    settings = drain_latency.Settings(
+        repeats=3, delay=0.2, inflight=2, pauses=(0.3,), retry_afters=(1.0,), agents=2, agent_repeats=1
+    )
+    report = drain_latency.run_benchmark(settings)
+    print(drain_latency.format_report(report))
+    poll, wait = report.detection
+    for detection in (poll, wait):
+        assert detection.lag.mean >= 0 and detection.lag.max >= detection.lag.p50 >= 0
+        assert detection.drain.mean >= 0 and detection.requests >= 1
+    assert wait.requests == pytest.approx(1.0)  # one long poll per drain
+    [pause] = report.pauses
+    assert pause.calls == 2 and pause.extra_latency.mean >= 0 and pause.lost.mean >= 0
+    assert report.baseline_call_s > 0
+
+
+def test_simulate_vs_measured_smoke(tmp_path, capsys):
+    rng = random.Random(0)
+    durations = tmp_path / "durations.jsonl"
+    durations.write_text("".join(json.dumps({"duration_s": rng.lognormvariate(0, 1)}) + "\n" for _ in range(24)))
+    argv = ["--durations", str(durations), "--update-seconds", "0.5", "--measured-speedup", "1.3",
+            "--batch", "2", "--n", "2", "--updates", "3", "--sim-seeds", "2"]
+    assert simulate_vs_measured.main(argv) == 0
+    text = capsys.readouterr().out
+    with capsys.disabled():
+        print(text)
+    assert "predicted" in text
+    assert simulate_vs_measured.main([*argv, "--json"]) == 0
+    [comparison] = json.loads(capsys.readouterr().out)["comparisons"]
+    assert comparison["window"] == 4 and comparison["measured"] == 1.3
+    assert comparison["predicted"] > 0 and comparison["predicted_running"] > 0
+    assert comparison["relative_error"] == pytest.approx((comparison["predicted"] - 1.3) / 1.3)
