@@ -385,19 +385,20 @@ def _positive_float(text: str) -> float:
 
 
 def parser(add_help: bool = True) -> argparse.ArgumentParser:
+    d = Settings()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help)
-    p.add_argument("--median", type=_positive_float, default=1.0, help="tool latency median seconds (default 3.0)")
-    p.add_argument("--sigma", type=float, default=1.0, help="tool latency lognormal sigma (default 1.0)")
-    p.add_argument("--batch", type=int, default=4, help="data.train_batch_size (default 4)")
-    p.add_argument("--n", type=int, default=4, help="rollouts per group (default 4)")
-    p.add_argument("--updates", type=int, default=6, help="updates per mode (default 6)")
+    p.add_argument("--median", type=_positive_float, default=d.median, help=f"tool latency median seconds (default {d.median:g})")
+    p.add_argument("--sigma", type=float, default=d.sigma, help=f"tool latency lognormal sigma (default {d.sigma:g})")
+    p.add_argument("--batch", type=int, default=d.batch, help=f"data.train_batch_size (default {d.batch})")
+    p.add_argument("--n", type=int, default=d.n, help=f"rollouts per group (default {d.n})")
+    p.add_argument("--updates", type=int, default=d.updates, help=f"updates per mode (default {d.updates})")
     p.add_argument("--capacity", type=int, default=None, help="agent processes at once (default batch*n)")
     p.add_argument("--retry-after", type=float, default=None, help="gateway.retry_after_seconds (default: the config's)")
     p.add_argument("--window", type=float, default=2.0, help="async window as a multiple of the batch (default 2)")
     p.add_argument("--sweep", action="store_true", help=f"async windows {', '.join(f'{m:g}x' for m in SWEEP_WINDOWS)}")
     p.add_argument("--model", type=Path, default=None, help="model folder (default: the calc example's tiny model)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"run folders (default {DEFAULT_OUT.relative_to(ROOT)})")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 

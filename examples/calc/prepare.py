@@ -8,13 +8,15 @@ from pathlib import Path
 
 import random
 
-from examples.calc.task import demonstration, guess, make_tasks
+from examples.calc.task import demonstration, make_tasks
 from rollover.config import RolloverConfig
 from rollover.training.data import write_tasks
 
 TRAIN_SIZE, VAL_SIZE = 2000, 128
-WARMUP_STEPS = int(os.environ.get("ROLLOVER_CALC_WARMUP_STEPS", "300"))
-GUESS_FRACTION = 0.5  # of warm-up transcripts that skip the calculator
+WARMUP_STEPS = int(os.environ.get("ROLLOVER_CALC_WARMUP_STEPS", "250"))
+# Half of the warm-up transcripts end in prose instead of the protocol's `ANSWER: N`: the
+# starting policy is unsure of the format, which RL then has to learn from the reward.
+OFF_PROTOCOL_FRACTION = 0.5
 
 
 def prepare(config: RolloverConfig) -> RolloverConfig:
@@ -48,7 +50,7 @@ def tiny_calc_model(out: Path) -> Path:
         build_tiny_model(base, corpus=corpus, seed=0)
     rng = random.Random(5)
     examples = [
-        guess(task, rng) if rng.random() < GUESS_FRACTION else demonstration(task)
+        demonstration(task, "The answer is {}." if rng.random() < OFF_PROTOCOL_FRACTION else "ANSWER: {}")
         for task in make_tasks(4000, seed=4, start=10_000)
     ]
     sft_warmup(base, examples, out, steps=WARMUP_STEPS, lr=3e-3, batch_size=16, seed=0)

@@ -64,23 +64,14 @@ def score(task: dict[str, Any], final_text: str) -> float:
     return 1.0 if match and int(match.group(1)) == int(task["answer"]) else 0.0
 
 
-def demonstration(task: dict[str, Any]) -> list[dict[str, str]]:
-    """A correct transcript, used to warm a tiny model up on the protocol."""
+def demonstration(task: dict[str, Any], final_format: str = "ANSWER: {}") -> list[dict[str, str]]:
+    """A transcript that uses the calculator, used to warm a tiny model up on the protocol.
+    With another `final_format` ("The answer is {}.") the arithmetic is right but the reply
+    breaks the protocol, so it earns no reward."""
     return [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": task["question"]},
         {"role": "assistant", "content": f"<calc>{task['expression']}</calc>"},
         {"role": "tool", "content": str(task["answer"])},
-        {"role": "assistant", "content": f"ANSWER: {task['answer']}"},
-    ]
-
-
-def guess(task: dict[str, Any], rng: random.Random) -> list[dict[str, str]]:
-    """A transcript that skips the tool and answers by (wrong) mental arithmetic. Warm-up data
-    mixes these in, so the starting policy often guesses and RL has to learn to use its tool."""
-    off = rng.choice([-11, -10, -2, -1, 1, 2, 9, 10])
-    return [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": task["question"]},
-        {"role": "assistant", "content": f"ANSWER: {task['answer'] + off}"},
+        {"role": "assistant", "content": final_format.format(task["answer"])},
     ]

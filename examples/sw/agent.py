@@ -2,10 +2,11 @@
 policy (through Rollover's gateway) for one action per turn.
 
 Each turn the policy sees the system prompt (the protocol and a short list of action
-templates), the task with the first observation, and the latest turns; the conversation is
-windowed to a character budget so it never outgrows the model's context. The episode ends when
-the task is done or failed, at the step cap, or when the gateway refuses a call (HTTP 400, e.g.
-a prompt too long). Reward: final score / 100. The simulator's JVM is always stopped.
+templates), a two-turn worked example, the task with the first observation, and the latest
+turns, windowed to a character budget so the conversation never outgrows the model's context.
+The episode ends when the task is done or failed, at the step cap, or when the gateway refuses
+a call (HTTP 400, e.g. a prompt too long). Reward: final score / 100. The simulator's JVM is
+always stopped, also when the agent fails.
 
 Settings (environment, read when the agent starts):
   ROLLOVER_SW_MAX_STEPS     actions per episode (default 8)
@@ -22,7 +23,7 @@ from typing import Any
 
 import openai
 
-from examples.sw.task import SYSTEM_PROMPT, ScienceWorld, parse_action, play
+from examples.sw.task import DEMONSTRATION, SYSTEM_PROMPT, ScienceWorld, parse_action, play
 from rollover.agent import AgentContext
 
 
@@ -44,10 +45,10 @@ class Settings:
         )
 
 
-def window(messages: list[dict[str, str]], budget: int) -> list[dict[str, str]]:
-    """System prompt, first user message (the task), and as many of the latest
+def window(messages: list[dict[str, str]], budget: int, keep: int = 2) -> list[dict[str, str]]:
+    """The first `keep` messages (system prompt, ..., the task) and as many of the latest
     (assistant, user) pairs as fit in `budget` characters; the last pair is always kept."""
-    head, turns = messages[:2], messages[2:]
+    head, turns = messages[:keep], messages[keep:]
     size = sum(len(m["content"]) for m in messages)
     while len(turns) > 2 and size > budget:
         size -= len(turns[0]["content"]) + len(turns[1]["content"])
@@ -62,13 +63,14 @@ class SWAgent:
         settings = Settings.from_env()
         world = ScienceWorld(step_limit=settings.max_steps + 1)
         try:
-            messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+            messages = [{"role": "system", "content": SYSTEM_PROMPT}, *DEMONSTRATION]
+            keep = len(messages) + 1  # and the task with the first observation
 
             def choose(observation: str) -> str | None:
                 messages.append({"role": "user", "content": observation})
                 try:
                     reply = client.chat.completions.create(
-                        model="policy", messages=window(messages, settings.prompt_chars), max_tokens=settings.max_tokens
+                        model="policy", messages=window(messages, settings.prompt_chars, keep), max_tokens=settings.max_tokens
                     )
                 except openai.BadRequestError as exc:  # e.g. the prompt outgrew the context
                     print(f"policy call refused, episode ends: {exc}", flush=True)

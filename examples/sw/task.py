@@ -1,6 +1,6 @@
 """The ScienceWorld task: short science quests in a text simulator, played turn by turn.
 
-Protocol (the agent's system prompt says the same):
+Protocol (the agent's system prompt says the same, and a short worked exchange shows it):
   user:      the task, then what the agent sees ("This room is called the hallway. ...")
   assistant: any reasoning, and one line  ACTION: <action>   (e.g. "ACTION: teleport to kitchen")
   user:      the simulator's answer to that action, and so on up to a step cap
@@ -34,8 +34,8 @@ FALLBACK_ACTION = "look around"
 BLOCKED_ACTIONS = frozenset({"reset task"})  # would undo the episode's progress
 MAX_ACTION_CHARS = 80
 # The JVM runs for seconds only: the client compiler and the serial collector start fastest
-# and leave the CPU to the policy. Overridden by a JAVA_TOOL_OPTIONS set by the user.
-JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -Xss4m -Xmx768m"
+# and leave the CPU to the policy; a small heap lets many run side by side. Overridden by a JAVA_TOOL_OPTIONS set by the user.
+JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -Xmx768m"
 
 ACTION = re.compile(r"ACTION:[ \t]*([^\n]*)", re.IGNORECASE)
 
@@ -45,8 +45,16 @@ ACTION_TEMPLATES = (
     "focus on OBJ", "move OBJ to OBJ", "inventory", "wait",
 )
 SYSTEM_PROMPT = (
-    "You are an agent in ScienceWorld, a text world. Each turn, choose one action and end your "
-    "reply with a line 'ACTION: <action>'. Actions: " + ", ".join(ACTION_TEMPLATES) + "."
+    "You are an agent in ScienceWorld, a text world. Reply with one action per turn, as "
+    "'ACTION: <action>'. Actions: " + ", ".join(ACTION_TEMPLATES) + "."
+)
+# One short worked exchange shown before the task: small models follow the format far more
+# often with an example to copy than with the instruction alone.
+DEMONSTRATION = (
+    {"role": "user", "content": "Task: find a red apple.\n\nThis room is called the hallway."},
+    {"role": "assistant", "content": "ACTION: teleport to kitchen"},
+    {"role": "user", "content": "You teleport to the kitchen. In it, you see: a red apple, a table"},
+    {"role": "assistant", "content": "ACTION: focus on red apple"},
 )
 
 
@@ -63,9 +71,8 @@ def parse_action(text: str | None) -> str:
 
 
 def trim(text: str, limit: int) -> str:
-    """At most `limit` characters, tabs and blank lines squeezed, cut on a line end if one is near."""
-    text = re.sub(r"[ \t]+", " ", text).strip()
-    text = re.sub(r"\n\s*\n+", "\n", text)
+    """At most `limit` characters, spaces and blank lines squeezed, cut on a line end if one is near."""
+    text = "\n".join(" ".join(line.split()) for line in text.splitlines() if line.strip())
     if len(text) <= limit:
         return text
     cut = text[:limit]

@@ -140,8 +140,17 @@ def test_prepare_writes_cached_data(tmp_path, monkeypatch):
 # -- 2 training steps through the real system -------------------------------------------------
 
 
+@pytest.fixture
+def shared_engine(vllm_engine):
+    """The session's engine, detached from the gateway of an earlier run in this session:
+    `run_training` reloads the weights (and re-registers with the attached gateway, long
+    gone) before it attaches its own gateway."""
+    vllm_engine.gateway_url = None
+    return vllm_engine
+
+
 @pytest.mark.vllm
-def test_gsm8k_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch):
+def test_gsm8k_training_smoke(tmp_path, calc_model, shared_engine, monkeypatch):
     """The tiny calc model knows nothing of GSM: rewards are ~0; the point is that the whole
     loop runs, every agent reports a reward, and the async metrics are written."""
     monkeypatch.setenv("ROLLOVER_GSM_MAX_TOKENS", "16")
@@ -161,7 +170,7 @@ def test_gsm8k_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch):
             "data.val_batch_size=2",
         ],
     )
-    assert run_training(config, engine=vllm_engine) == 0
+    assert run_training(config, engine=shared_engine) == 0
     rows = read_jsonl(tmp_path / "gsm8k-smoke" / "metrics.jsonl")
     train_rows = [r for r in rows if "training/async/n_completed_rollouts" in r]
     assert len(train_rows) == 2

@@ -344,8 +344,17 @@ def test_k8s_job_template_renders(tasks):
 # -- 2 training steps through the real system ----------------------------------------------------
 
 
+@pytest.fixture
+def shared_engine(vllm_engine):
+    """The session's engine, detached from the gateway of an earlier run in this session:
+    `run_training` reloads the weights (and re-registers with the attached gateway, long
+    gone) before it attaches its own gateway."""
+    vllm_engine.gateway_url = None
+    return vllm_engine
+
+
 @pytest.mark.vllm
-def test_smith_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch, tasks):
+def test_smith_training_smoke(tmp_path, calc_model, shared_engine, monkeypatch, tasks):
     """The tiny calc model cannot fix bugs (rewards ~0); the whole loop must run, with every
     agent reporting a reward and the async metrics written."""
     monkeypatch.setenv("ROLLOVER_SMITH_MAX_TOKENS", "16")
@@ -364,7 +373,7 @@ def test_smith_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch, ta
             "data.val_batch_size=2",
         ],
     )
-    assert run_training(config, engine=vllm_engine) == 0
+    assert run_training(config, engine=shared_engine) == 0
     rows = read_jsonl(tmp_path / "smith-smoke" / "metrics.jsonl")
     train_rows = [r for r in rows if "training/async/n_completed_rollouts" in r]
     assert len(train_rows) == 2

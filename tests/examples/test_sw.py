@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from examples.sw.agent import window
-from examples.sw.task import FALLBACK_ACTION, TASK_NAMES, ScienceWorld, parse_action, play, reward_from_score, trim
+from examples.sw.task import DEMONSTRATION, FALLBACK_ACTION, TASK_NAMES, ScienceWorld, parse_action, play, reward_from_score, trim
 from rollover.config import load_config
 from rollover.metrics import read_jsonl
 
@@ -82,6 +82,8 @@ def test_window_keeps_the_task_and_the_latest_turns() -> None:
     kept = window(messages, 10 + 40 + 4 * 20)
     assert kept[:2] == messages[:2] and kept[2:] == messages[-4:]
     assert [m["role"] for m in kept] == ["system", "user", "assistant", "user", "assistant", "user"]
+    kept = window(messages, 100, keep=4)  # e.g. a worked example kept with the task
+    assert kept == messages[:4] + messages[-2:]
 
 
 def test_the_jvm_ends_on_close_and_on_error() -> None:
@@ -95,6 +97,11 @@ def test_the_jvm_ends_on_close_and_on_error() -> None:
     assert pid not in scienceworld_jvms()
     world.close()  # idempotent
     assert scienceworld_jvms() <= before
+
+
+def test_the_demonstration_follows_the_protocol() -> None:
+    assert [m["role"] for m in DEMONSTRATION] == ["user", "assistant", "user", "assistant"]
+    assert [parse_action(m["content"]) for m in DEMONSTRATION[1::2]] == ["teleport to kitchen", "focus on red apple"]
 
 
 def test_scripted_episode_scores() -> None:
@@ -154,8 +161,8 @@ def test_two_training_steps_through_the_real_system(tmp_path: Path, calc_model: 
     for name, value in {
         "ROLLOVER_SW_MAX_STEPS": "3",
         "ROLLOVER_SW_MAX_TOKENS": "16",
-        "ROLLOVER_SW_OBS_CHARS": "120",
-        "ROLLOVER_SW_PROMPT_CHARS": "700",  # about 400 of the tiny tokenizer's tokens
+        "ROLLOVER_SW_OBS_CHARS": "80",
+        "ROLLOVER_SW_PROMPT_CHARS": "750",  # at most ~430 of the tiny tokenizer's tokens
     }.items():
         monkeypatch.setenv(name, value)
     jvms_before = scienceworld_jvms()
