@@ -6,17 +6,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import random
-
 from examples.calc.task import demonstration, make_tasks
 from rollover.config import RolloverConfig
 from rollover.training.data import write_tasks
 
 TRAIN_SIZE, VAL_SIZE = 2000, 128
-WARMUP_STEPS = int(os.environ.get("ROLLOVER_CALC_WARMUP_STEPS", "250"))
-# Half of the warm-up transcripts end in prose instead of the protocol's `ANSWER: N`: the
-# starting policy is unsure of the format, which RL then has to learn from the reward.
-OFF_PROTOCOL_FRACTION = 0.5
+# Short enough that the policy still samples wrong digits at temperature 1 (about half of the
+# held-out tasks fail), long enough that it has learned to copy operands and results.
+WARMUP_STEPS = int(os.environ.get("ROLLOVER_CALC_WARMUP_STEPS", "300"))
 
 
 def prepare(config: RolloverConfig) -> RolloverConfig:
@@ -48,10 +45,6 @@ def tiny_calc_model(out: Path) -> Path:
     if not (base / "config.json").exists():
         corpus = [m["content"] for task in make_tasks(500, seed=3) for m in demonstration(task)]
         build_tiny_model(base, corpus=corpus, seed=0)
-    rng = random.Random(5)
-    examples = [
-        demonstration(task, "The answer is {}." if rng.random() < OFF_PROTOCOL_FRACTION else "ANSWER: {}")
-        for task in make_tasks(4000, seed=4, start=10_000)
-    ]
+    examples = [demonstration(task) for task in make_tasks(4000, seed=4, start=10_000)]
     sft_warmup(base, examples, out, steps=WARMUP_STEPS, lr=3e-3, batch_size=16, seed=0)
     return out
