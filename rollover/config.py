@@ -52,6 +52,7 @@ class RolloutConfig(_Section):
     max_model_len: int = Field(2048, gt=0)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     kv_cache_space_gb: int = Field(1, gt=0)
+    enforce_eager: bool = True
     engine_args: list[str] = []
     start_timeout_seconds: float = Field(300, gt=0)
 

@@ -145,6 +145,7 @@ async def _run(config: RolloverConfig, shared_engine: Any = None) -> int:
         dtype=rollout.dtype,
         kv_cache_space_gb=rollout.kv_cache_space_gb,
         extra_args=rollout.engine_args,
+        enforce_eager=rollout.enforce_eager,
         log_path=run_dir / "engine.log",
         start_timeout_s=rollout.start_timeout_seconds,
         device="cuda" if device == "cuda" else "cpu",
