@@ -55,6 +55,7 @@ class Measured:
     window: int
     speedup: float  # sync training time / async training time, same number of updates
     drain_s: float  # the async run's mean proxy_drain_seconds
+    own_inputs: Inputs | None = None  # the async run's own durations and update time, when known
 
 
 @dataclass
@@ -65,6 +66,9 @@ class Comparison:
     predicted: float  # rollouts frozen during update and sync (the planner's default)
     predicted_running: float  # rollouts progressing during update and sync
     drain_s: float
+    # Frozen, fed with the async run's own durations and update time instead of the sync
+    # run's: what is left of the error once the inputs' drift between modes is taken out.
+    predicted_own_inputs: float | None = None
 
     @property
     def error(self) -> float:
@@ -74,8 +78,18 @@ class Comparison:
     def error_running(self) -> float:
         return (self.predicted_running - self.measured) / self.measured
 
+    @property
+    def error_own_inputs(self) -> float | None:
+        if self.predicted_own_inputs is None:
+            return None
+        return (self.predicted_own_inputs - self.measured) / self.measured
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"relative_error": self.error, "relative_error_running": self.error_running}
+        return asdict(self) | {
+            "relative_error": self.error,
+            "relative_error_running": self.error_running,
+            "relative_error_own_inputs": self.error_own_inputs,
+        }
 
 
 def predict(inputs: Inputs, window: int, drain_s: float, seeds: int, freeze: bool = True) -> float:
@@ -109,6 +123,7 @@ def compare(inputs: Inputs, measured: Sequence[Measured], seeds: int = 20) -> li
             predicted=predict(inputs, m.window, m.drain_s, seeds, freeze=True),
             predicted_running=predict(inputs, m.window, m.drain_s, seeds, freeze=False),
             drain_s=m.drain_s,
+            predicted_own_inputs=predict(m.own_inputs, m.window, m.drain_s, seeds) if m.own_inputs else None,
         )
         for m in measured
     ]
@@ -116,17 +131,22 @@ def compare(inputs: Inputs, measured: Sequence[Measured], seeds: int = 20) -> li
 
 def from_results(sync: ModeResult, asyncs: Sequence[ModeResult], capacity: int, durations: Empirical | None = None) -> tuple[Inputs, list[Measured]]:
     """Planner inputs and measurements from an async_vs_sync run's results."""
-    inputs = Inputs(
-        durations=durations or load_durations(sync.run_dir),
-        batch=sync.window,
-        n=_run_config(sync.run_dir).actor_rollout_ref.rollout.n,
-        capacity=capacity,
-        updates=sync.updates,
-        update_s=max(sync.busy_s_mean - sync.weight_sync_s_mean, 0.0),
-        sync_s=sync.weight_sync_s_mean,
-    )
-    measured = [Measured(window=r.window, speedup=r.speedup_over(sync), drain_s=r.drain_s_mean) for r in asyncs]
-    return inputs, measured
+    def inputs_of(run: ModeResult, given: Empirical | None) -> Inputs:
+        return Inputs(
+            durations=given or load_durations(run.run_dir),
+            batch=sync.window,
+            n=_run_config(sync.run_dir).actor_rollout_ref.rollout.n,
+            capacity=capacity,
+            updates=sync.updates,
+            update_s=max(run.busy_s_mean - run.weight_sync_s_mean, 0.0),
+            sync_s=run.weight_sync_s_mean,
+        )
+
+    measured = [
+        Measured(window=r.window, speedup=r.speedup_over(sync), drain_s=r.drain_s_mean, own_inputs=inputs_of(r, None))
+        for r in asyncs
+    ]
+    return inputs_of(sync, durations), measured
 
 
 def _run_config(run_dir: str | Path) -> Any:
@@ -158,14 +178,21 @@ def format_comparisons(inputs: Inputs, comparisons: Sequence[Comparison], load: 
     ]
     if load is not None:
         lines.append(f"load average {'/'.join(f'{x:.1f}' for x in load)} on {os.cpu_count()} CPUs")
-    header = f"{'window':>7}{'mult':>6}{'drain s':>8}{'measured':>10}{'predicted':>11}{'error':>8}{'pred. running':>15}{'error':>8}"
+    header = (
+        f"{'window':>7}{'mult':>6}{'drain s':>8}{'measured':>10}{'predicted':>11}{'error':>8}{'pred. running':>15}{'error':>8}"
+        f"{'pred. own inputs':>18}{'error':>8}"
+    )
     lines += [header, "-" * len(header)]
     for c in comparisons:
         lines.append(
             f"{c.window:>7}{c.multiplier:>5g}x{c.drain_s:>8.2f}{c.measured:>9.2f}x{c.predicted:>10.2f}x{c.error:>+8.0%}"
             f"{c.predicted_running:>14.2f}x{c.error_running:>+8.0%}"
+            + (f"{c.predicted_own_inputs:>17.2f}x{c.error_own_inputs:>+8.0%}" if c.predicted_own_inputs is not None else "")
         )
-    lines.append("predicted: rollouts frozen during update + sync (planner default); pred. running: rollouts progress meanwhile")
+    lines.append("predicted: from the sync run's durations and update time, rollouts frozen during update + sync (planner default)")
+    lines.append("pred. running: the same, rollouts progressing meanwhile")
+    if any(c.predicted_own_inputs is not None for c in comparisons):
+        lines.append("pred. own inputs: frozen, from the async run's own durations and update time (the inputs' drift between modes taken out)")
     return "\n".join(lines)
 
 

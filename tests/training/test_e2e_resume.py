@@ -7,6 +7,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -18,16 +19,19 @@ pytestmark = pytest.mark.vllm
 CALC_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "calc" / "config.yaml"
 
 
-def engine_and_gateway_pids() -> set[int]:
+def processes_carrying(marker: str) -> set[int]:
+    """Live processes whose environment holds the marker: the trainer's whole family (gateway,
+    vLLM and its workers, agents) inherits it, and nothing else on the machine has it."""
+    needle = f"ROLLOVER_TEST_RUN={marker}".encode()
     found = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    if b"Z" not in (entry / "stat").read_bytes().rsplit(b")", 1)[1][:3]:
+                        found.add(int(entry.name))
             except OSError:
                 continue
-            if b"vllm" in cmdline.lower() or b"rollover.cli.main gateway" in cmdline or b"agent_main" in cmdline:
-                found.add(int(entry.name))
     return found
 
 
@@ -44,8 +48,9 @@ def train_command(tmp_path, calc_model, *extra):
 
 def test_kill_9_then_resume_completes_the_run(tmp_path, calc_model, monkeypatch):
     monkeypatch.setenv("ROLLOVER_CALC_LATENCY_MEDIAN", "0.3")
+    marker = uuid.uuid4().hex
+    monkeypatch.setenv("ROLLOVER_TEST_RUN", marker)
     run_dir = tmp_path / "resumable"
-    before = engine_and_gateway_pids()
     with open(tmp_path / "first.log", "wb") as log:
         first = subprocess.Popen(train_command(tmp_path, calc_model), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 420
@@ -60,9 +65,11 @@ def test_kill_9_then_resume_completes_the_run(tmp_path, calc_model, monkeypatch)
     time.sleep(1.0)  # let step 3 get under way: rollouts in flight when the trainer dies
     first.send_signal(signal.SIGKILL)
     first.wait()
-    time.sleep(3)
-    # Parent-death signals took the gateway, vLLM and the agents down with the trainer.
-    assert engine_and_gateway_pids() - before == set()
+    # Parent-death signals take the gateway, vLLM and the agents down with the trainer.
+    deadline = time.monotonic() + 30
+    while processes_carrying(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_carrying(marker) == set()
 
     second = subprocess.run(train_command(tmp_path, calc_model, "resume=true"), capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
