@@ -27,6 +27,11 @@ from examples.sw.task import DEMONSTRATION, SYSTEM_PROMPT, ScienceWorld, parse_a
 from rollover.agent import AgentContext
 
 
+# While the trainer updates the policy the gateway answers 429 with Retry-After (5 s); a CPU
+# update of SmolLM2 on a busy machine can take over ten minutes, so ride out an hour of pause.
+PAUSE_RETRIES = 720
+
+
 @dataclass(frozen=True)
 class Settings:
     max_steps: int = 8
@@ -59,7 +64,7 @@ def window(messages: list[dict[str, str]], budget: int, keep: int = 2) -> list[d
 class SWAgent:
     def run(self, task: dict[str, Any]) -> None:
         ctx = AgentContext.from_env()
-        client = ctx.openai()
+        client = ctx.openai(max_retries=PAUSE_RETRIES)
         settings = Settings.from_env()
         world = ScienceWorld(step_limit=settings.max_steps + 1)
         try:

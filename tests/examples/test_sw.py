@@ -4,6 +4,7 @@ scripted episode, the prepare hook's split, and a short training run through the
 from __future__ import annotations
 
 import re
+import uuid
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,9 @@ ASYNC_METRICS = (
 )
 
 
-def scienceworld_jvms() -> set[int]:
-    """Pids of running JVMs that serve ScienceWorld (zombies excluded)."""
+def live_processes(marker: str | None = None) -> set[int]:
+    """Pids of running (not zombie) ScienceWorld JVMs; with `marker` ("NAME=value"), only
+    those whose environment holds it (the JVM inherits its agent's environment)."""
     pids = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -33,9 +35,12 @@ def scienceworld_jvms() -> set[int]:
         try:
             cmdline = (entry / "cmdline").read_bytes()
             state = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+            environ = (entry / "environ").read_bytes().split(b"\0") if marker else []
         except OSError:
             continue
-        if b"scienceworld" in cmdline and b"java" in cmdline.split(b"\0")[0] and state != b"Z":
+        if b"scienceworld" not in cmdline or b"java" not in cmdline.split(b"\0")[0] or state == b"Z":
+            continue
+        if marker is None or marker.encode() in environ:
             pids.add(int(entry.name))
     return pids
 
@@ -87,16 +92,14 @@ def test_window_keeps_the_task_and_the_latest_turns() -> None:
 
 
 def test_the_jvm_ends_on_close_and_on_error() -> None:
-    before = scienceworld_jvms()
     with pytest.raises(RuntimeError, match="agent crashed"):
         with ScienceWorld() as world:
             pid = world.pid
-            assert pid in scienceworld_jvms()
+            assert pid in live_processes()
             world.start("find-non-living-thing", 0)
             raise RuntimeError("agent crashed")
-    assert pid not in scienceworld_jvms()
+    assert pid not in live_processes()
     world.close()  # idempotent
-    assert scienceworld_jvms() <= before
 
 
 def test_the_demonstration_follows_the_protocol() -> None:
@@ -115,7 +118,7 @@ def test_scripted_episode_scores() -> None:
     with ScienceWorld() as world:
         episode = play(world, {"task_name": "find-non-living-thing", "variation": 0}, choose, max_steps=10, obs_chars=300)
         pid = world.pid
-    assert pid not in scienceworld_jvms()
+    assert pid not in live_processes()
     assert seen[0].startswith("Task: Your task is to find a(n) non-living thing")
     assert "kitchen" in seen[1] and all(len(text) <= 304 for text in seen[1:])
     assert episode.steps == 3 and episode.actions == ["teleport to kitchen", "look around", "focus on table"]
@@ -165,7 +168,8 @@ def test_two_training_steps_through_the_real_system(tmp_path: Path, calc_model: 
         "ROLLOVER_SW_PROMPT_CHARS": "750",  # at most ~430 of the tiny tokenizer's tokens
     }.items():
         monkeypatch.setenv(name, value)
-    jvms_before = scienceworld_jvms()
+    marker = f"ROLLOVER_SW_TEST_RUN={uuid.uuid4().hex}"  # inherited by the agents and their JVMs
+    monkeypatch.setenv(*marker.split("="))
     config = load_config(
         SW_CONFIG,
         [
@@ -199,4 +203,4 @@ def test_two_training_steps_through_the_real_system(tmp_path: Path, calc_model: 
     steps = [int(n) for n in re.findall(r": (\d+) steps, score", logs)]
     assert steps and max(steps) >= 2, logs[-2000:]
     assert "policy call refused" not in logs
-    assert scienceworld_jvms() <= jvms_before
+    assert not live_processes(marker), "ScienceWorld JVMs of this run are still running"
