@@ -1,0 +1,94 @@
+"""vLLM behind the real gateway: recorded calls carry token ids, logprobs and the policy
+version; a weight update changes greedy output and the version; a killed engine is a clear
+JSON error at the proxy, and a restarted one restores service."""
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollover.engine.testing import start_test_engine
+from rollover.engine.weights import save_weights
+from rollover.gateway.auth import scoped_key
+from rollover.gateway.server import GatewayThread
+
+pytestmark = pytest.mark.vllm
+KEY = "engine-admin"
+PROMPT = [{"role": "user", "content": "What is 12+30?"}]
+
+
+def running_rollout(gateway):
+    admin = httpx.Client(base_url=gateway.url, headers={"x-api-key": KEY}, timeout=60)
+    rid = admin.post("/api/rollouts", json=[{"input": {}}]).json()[0]["rollout_id"]
+    admin.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running"}})
+    return admin, rid
+
+
+def call(gateway, rid, mode="val", **extra):
+    url = f"{gateway.url}/proxy/rollout/{rid}/attempt/a1/mode/{mode}/openai/v1/chat/completions"
+    body = {"messages": PROMPT, "max_tokens": 12, **extra}
+    return httpx.post(url, json=body, headers={"Authorization": f"Bearer {scoped_key(KEY, rid)}"}, timeout=120)
+
+
+async def test_recorded_calls_and_weight_update_through_the_gateway(vllm_engine, tiny_model_dir, tmp_path):
+    with GatewayThread(admin_key=KEY) as gateway:
+        await vllm_engine.register_with_gateway(gateway.url, KEY)
+        vllm_engine.attach_gateway(gateway.url, KEY)
+        admin, rid = running_rollout(gateway)
+        try:
+            before = call(gateway, rid).json()["choices"][0]["message"]["content"]
+            train_reply = call(gateway, rid, mode="train")
+            assert train_reply.status_code == 200
+            [_, train_event] = admin.get(f"/api/rollouts/{rid}/events").json()
+            data = train_event["data"]
+            version_before = data["policy_version"]
+            assert version_before == vllm_engine.policy_version
+            assert data["prompt_token_ids"] and data["response_token_ids"]
+            assert len(data["response_logprobs"]) == len(data["response_token_ids"])
+            assert all(lp <= 0 for lp in data["response_logprobs"])
+
+            model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(torch.randn_like(parameter) * 0.5)
+            version = await vllm_engine.load_weights(save_weights(model, tmp_path / "perturbed"))
+            after = call(gateway, rid).json()["choices"][0]["message"]["content"]
+            assert after != before  # greedy output follows the new weights
+            call(gateway, rid, mode="train")
+            last = admin.get(f"/api/rollouts/{rid}/events").json()[-1]["data"]
+            assert last["policy_version"] == version == version_before + 1
+        finally:
+            await vllm_engine.load_weights(tiny_model_dir)
+            vllm_engine.gateway_url = None
+
+
+def test_killed_engine_is_a_clear_error_and_a_restart_restores_service(tiny_model_dir, tmp_path):
+    engine = start_test_engine(tiny_model_dir, log_path=tmp_path / "vllm.log")
+    try:
+        with GatewayThread(admin_key=KEY) as gateway:
+            admin, rid = running_rollout(gateway)
+            admin.post("/api/models", json=engine.registration())
+            assert call(gateway, rid).status_code == 200
+            results = []
+            request = threading.Thread(target=lambda: results.append(call(gateway, rid, max_tokens=400, ignore_eos=True)))
+            request.start()
+            while admin.get("/proxy/state").json()["inflight"] == 0:
+                time.sleep(0.01)
+            time.sleep(0.5)  # generation under way
+            os.kill(engine.server_pid, signal.SIGKILL)
+            request.join()
+            failed = results[0]
+            assert failed.status_code in (502, 503)
+            assert failed.json()["error"] == "upstream error" and failed.json()["reason"]
+            engine.stop()
+            assert not engine.is_alive()
+
+            engine = start_test_engine(tiny_model_dir, log_path=tmp_path / "vllm2.log", port=engine.port)
+            assert call(gateway, rid).status_code == 200
+    finally:
+        engine.stop()
