@@ -66,8 +66,9 @@ class Comparison:
     predicted: float  # rollouts frozen during update and sync (the planner's default)
     predicted_running: float  # rollouts progressing during update and sync
     drain_s: float
-    # Frozen, fed with the async run's own durations and update time instead of the sync
-    # run's: what is left of the error once the inputs' drift between modes is taken out.
+    # Sync simulated from the sync run's inputs, async from the async run's own durations and
+    # update time (not frozen again): what is left of the error once the planner knows how
+    # the inputs drift between modes (slower updates and agent starts under CPU contention).
     predicted_own_inputs: float | None = None
 
     @property
@@ -92,10 +93,9 @@ class Comparison:
         }
 
 
-def predict(inputs: Inputs, window: int, drain_s: float, seeds: int, freeze: bool = True) -> float:
-    """Expected speed-up of `window` over sync: total sync time / total async time over `seeds`
-    simulated runs of `inputs.updates` updates each."""
-    sync_total = async_total = 0.0
+def simulated_seconds(inputs: Inputs, window: int | None, drain_s: float, seeds: int, freeze: bool = True) -> float:
+    """Mean simulated time of `inputs.updates` updates with `window` (None: sync) over `seeds` seeds."""
+    total = 0.0
     for seed in range(seeds):
         scenario = Scenario(
             distribution=inputs.durations,
@@ -109,12 +109,17 @@ def predict(inputs: Inputs, window: int, drain_s: float, seeds: int, freeze: boo
             seed=seed,
             pause_freezes_rollouts=freeze,
         )
-        sync_total += simulate(scenario, None).wall_seconds
-        async_total += simulate(scenario, window).wall_seconds
-    return sync_total / async_total
+        total += simulate(scenario, window).wall_seconds
+    return total / seeds
+
+
+def predict(inputs: Inputs, window: int, drain_s: float, seeds: int, freeze: bool = True) -> float:
+    """Expected speed-up of `window` over sync (mean times over `seeds` simulated runs)."""
+    return simulated_seconds(inputs, None, 0.0, seeds, freeze) / simulated_seconds(inputs, window, drain_s, seeds, freeze)
 
 
 def compare(inputs: Inputs, measured: Sequence[Measured], seeds: int = 20) -> list[Comparison]:
+    sync_s = simulated_seconds(inputs, None, 0.0, seeds)
     return [
         Comparison(
             window=m.window,
@@ -123,7 +128,11 @@ def compare(inputs: Inputs, measured: Sequence[Measured], seeds: int = 20) -> li
             predicted=predict(inputs, m.window, m.drain_s, seeds, freeze=True),
             predicted_running=predict(inputs, m.window, m.drain_s, seeds, freeze=False),
             drain_s=m.drain_s,
-            predicted_own_inputs=predict(m.own_inputs, m.window, m.drain_s, seeds) if m.own_inputs else None,
+            predicted_own_inputs=(
+                # The async run's durations already hold the time its rollouts stood still in
+                # pauses: freezing them again would count it twice.
+                sync_s / simulated_seconds(m.own_inputs, m.window, m.drain_s, seeds, freeze=False) if m.own_inputs else None
+            ),
         )
         for m in measured
     ]
@@ -192,7 +201,7 @@ def format_comparisons(inputs: Inputs, comparisons: Sequence[Comparison], load: 
     lines.append("predicted: from the sync run's durations and update time, rollouts frozen during update + sync (planner default)")
     lines.append("pred. running: the same, rollouts progressing meanwhile")
     if any(c.predicted_own_inputs is not None for c in comparisons):
-        lines.append("pred. own inputs: frozen, from the async run's own durations and update time (the inputs' drift between modes taken out)")
+        lines.append("pred. own inputs: sync from the sync run's inputs; async from the async run's own durations (pauses included) and update time")
     return "\n".join(lines)
 
 

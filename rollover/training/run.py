@@ -167,6 +167,7 @@ async def _run(config: RolloverConfig, shared_engine: Any = None) -> int:
         if shared_engine is None:
             await asyncio.to_thread(engine.wait_ready)
         else:
+            engine.attach_gateway(gateway.url, admin_key)  # not the previous run's gateway
             await engine.load_weights(model_path, version=0)
         client = GatewayClient(gateway.url, admin_key)
         async with Controller(config, client, log_dir=run_dir / "agent_logs") as controller:
@@ -197,6 +198,8 @@ async def _run(config: RolloverConfig, shared_engine: Any = None) -> int:
             await client.aclose()
         if shared_engine is None:
             engine.stop()
+        else:
+            engine.gateway_url = None  # this run's gateway is going away
         gateway.stop()
 
 
