@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +108,6 @@ class Report:
     load_before: tuple[float, float, float]
     load_after: tuple[float, float, float]
     engine_start_s: float | None = None
-    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         rows = []

@@ -27,9 +27,10 @@ from examples.sw.task import DEMONSTRATION, SYSTEM_PROMPT, ScienceWorld, parse_a
 from rollover.agent import AgentContext
 
 
-# While the trainer updates the policy the gateway answers 429 with Retry-After (5 s); a CPU
-# update of SmolLM2 on a busy machine can take over ten minutes, so ride out an hour of pause.
-PAUSE_RETRIES = 720
+# While the trainer updates the policy the gateway answers 429 (Retry-After: 5 s), and the
+# client retries for about ten minutes; a CPU update of SmolLM2 on a busy machine can take
+# longer, so a call still refused is asked again, up to about an hour of pause in all.
+PAUSE_ROUNDS = 6
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,26 @@ def window(messages: list[dict[str, str]], budget: int, keep: int = 2) -> list[d
     return head + turns
 
 
+def ask(client: openai.OpenAI, messages: list[dict[str, str]], max_tokens: int) -> str | None:
+    """The policy's reply; None when the gateway refuses the call (HTTP 400)."""
+    refused = 0
+    while True:
+        try:
+            reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=max_tokens)
+            return reply.choices[0].message.content or ""
+        except openai.RateLimitError:  # still paused after the client's own retries
+            refused += 1
+            if refused >= PAUSE_ROUNDS:
+                raise
+        except openai.BadRequestError as exc:  # e.g. the prompt outgrew the context
+            print(f"policy call refused, episode ends: {exc}", flush=True)
+            return None
+
+
 class SWAgent:
     def run(self, task: dict[str, Any]) -> None:
         ctx = AgentContext.from_env()
-        client = ctx.openai(max_retries=PAUSE_RETRIES)
+        client = ctx.openai()
         settings = Settings.from_env()
         world = ScienceWorld(step_limit=settings.max_steps + 1)
         try:
@@ -73,14 +90,9 @@ class SWAgent:
 
             def choose(observation: str) -> str | None:
                 messages.append({"role": "user", "content": observation})
-                try:
-                    reply = client.chat.completions.create(
-                        model="policy", messages=window(messages, settings.prompt_chars, keep), max_tokens=settings.max_tokens
-                    )
-                except openai.BadRequestError as exc:  # e.g. the prompt outgrew the context
-                    print(f"policy call refused, episode ends: {exc}", flush=True)
+                text = ask(client, window(messages, settings.prompt_chars, keep), settings.max_tokens)
+                if text is None:
                     return None
-                text = reply.choices[0].message.content or ""
                 messages.append({"role": "assistant", "content": text})
                 return parse_action(text)
 

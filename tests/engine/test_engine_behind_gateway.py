@@ -75,16 +75,22 @@ def test_killed_engine_is_a_clear_error_and_a_restart_restores_service(tiny_mode
             admin.post("/api/models", json=engine.registration())
             assert call(gateway, rid).status_code == 200
             results = []
-            request = threading.Thread(target=lambda: results.append(call(gateway, rid, max_tokens=400, ignore_eos=True)))
-            request.start()
+            requests = [
+                threading.Thread(target=lambda: results.append(call(gateway, rid, max_tokens=480, ignore_eos=True)))
+                for _ in range(8)
+            ]
+            for request in requests:
+                request.start()
             while admin.get("/proxy/state").json()["inflight"] == 0:
-                time.sleep(0.01)
-            time.sleep(0.5)  # generation under way
+                time.sleep(0.005)
             os.kill(engine.server_pid, signal.SIGKILL)
-            request.join()
-            failed = results[0]
-            assert failed.status_code in (502, 503)
-            assert failed.json()["error"] == "upstream error" and failed.json()["reason"]
+            for request in requests:
+                request.join()
+            cut_off = [r for r in results if r.status_code != 200]
+            assert cut_off, "every long request finished before the kill"
+            for failed in cut_off:
+                assert failed.status_code in (502, 503)
+                assert failed.json()["error"] == "upstream error" and failed.json()["reason"]
             engine.stop()
             assert not engine.is_alive()
 

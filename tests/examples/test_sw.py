@@ -6,10 +6,14 @@ from __future__ import annotations
 import re
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import httpx
+import openai
 import pytest
 
-from examples.sw.agent import window
+from examples.sw.agent import PAUSE_ROUNDS, ask, window
 from examples.sw.task import DEMONSTRATION, FALLBACK_ACTION, TASK_NAMES, ScienceWorld, parse_action, play, reward_from_score, trim
 from rollover.config import load_config
 from rollover.metrics import read_jsonl
@@ -100,6 +104,39 @@ def test_the_jvm_ends_on_close_and_on_error() -> None:
             raise RuntimeError("agent crashed")
     assert pid not in live_processes()
     world.close()  # idempotent
+
+
+class ScriptedClient:
+    """Stands in for the OpenAI client: raises or answers, one scripted outcome per call."""
+
+    def __init__(self, outcomes: list[Exception | str]) -> None:
+        self.outcomes = outcomes
+        self.calls = 0
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
+
+    def create(self, **request: Any) -> Any:
+        outcome = self.outcomes[min(self.calls, len(self.outcomes) - 1)]
+        self.calls += 1
+        if isinstance(outcome, Exception):
+            raise outcome
+        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content=outcome))])
+
+
+def http_error(kind: type[openai.APIStatusError], status: int) -> openai.APIStatusError:
+    response = httpx.Response(status, request=httpx.Request("POST", "http://gateway/v1/chat/completions"))
+    return kind("refused", response=response, body=None)
+
+
+def test_ask_rides_out_a_long_pause_and_ends_on_a_refusal() -> None:
+    paused = http_error(openai.RateLimitError, 429)
+    client = ScriptedClient([paused, paused, "ACTION: wait"])
+    assert ask(client, [], 8) == "ACTION: wait" and client.calls == 3  # type: ignore[arg-type]
+    client = ScriptedClient([paused])
+    with pytest.raises(openai.RateLimitError):
+        ask(client, [], 8)  # type: ignore[arg-type]
+    assert client.calls == PAUSE_ROUNDS
+    client = ScriptedClient([http_error(openai.BadRequestError, 400)])
+    assert ask(client, [], 8) is None and client.calls == 1  # type: ignore[arg-type]
 
 
 def test_the_demonstration_follows_the_protocol() -> None:
