@@ -11,7 +11,8 @@ The final answer is the number after the last `####` (or `ANSWER:`) marker. When
 reply has no marker, the agent asks once more for the final line only.
 
 Reward: 1.0 when that number equals the true answer (numerically, see `answers_match`),
-else 0.0. A reply without a marker scores 0: following the protocol is part of the task.
+else 0.0. A reply without a marker scores 0, and so does a final line that states several
+different numbers (`#### 2 * 2 = 4`): following the protocol is part of the task.
 """
 
 from __future__ import annotations
@@ -54,13 +55,7 @@ def _normalise(text: str) -> str:
     return text.replace("(", "").replace(")", "")
 
 
-def parse_number(text: str) -> Fraction | None:
-    """The first number in `text`, exactly, as a Fraction: `$1,234.50` → 2469/2, `-3/4`,
-    `1 1/2` → 3/2, `50%` → 50 (the percent sign is dropped, as GSM answers are in percent
-    units), `12.` → 12, `\\frac{3}{4}`, `1.5e3`. None when there is no number."""
-    match = _NUMBER.search(_normalise(text or ""))
-    if match is None:
-        return None
+def _value(match: re.Match[str]) -> Fraction | None:
     value = Fraction(match["num"].replace(",", ""))
     if match["den"] is not None:
         denominator = Fraction(match["den"])
@@ -70,6 +65,27 @@ def parse_number(text: str) -> Fraction | None:
     if match["whole"] is not None:
         value += int(match["whole"])
     return -value if match["sign"] == "-" else value
+
+
+def parse_numbers(text: str) -> list[Fraction]:
+    """Every number in `text`, exactly, as Fractions: `$1,234.50` → 2469/2, `-3/4`,
+    `1 1/2` → 3/2, `50%` → 50 (the percent sign is dropped, as GSM answers are in percent
+    units), `12.` → 12, `\\frac{3}{4}`, `1.5e3`."""
+    values = (_value(match) for match in _NUMBER.finditer(_normalise(text or "")))
+    return [value for value in values if value is not None]
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The first number in `text` (see `parse_numbers`), None when there is none."""
+    values = parse_numbers(text)
+    return values[0] if values else None
+
+
+def parse_answer(text: str) -> Fraction | None:
+    """The number a final-answer line states: its numbers must all be equal (`42`, `$42.`,
+    `42 (42 apples)`); an expression such as `2 * 2 = 4` states no single answer → None."""
+    values = parse_numbers(text)
+    return values[0] if values and all(v == values[0] for v in values) else None
 
 
 def extract_answer(text: str) -> str | None:
@@ -84,11 +100,12 @@ def extract_answer(text: str) -> str | None:
 
 
 def answers_match(predicted: Fraction | float | int | str | None, gold: Fraction | float | int | str) -> bool:
-    """Numeric equality within REL_TOL (relative) or ABS_TOL (absolute)."""
+    """Numeric equality within REL_TOL (relative) or ABS_TOL (absolute); strings are read
+    with `parse_answer`."""
     if isinstance(predicted, str):
-        predicted = parse_number(predicted)
+        predicted = parse_answer(predicted)
     if isinstance(gold, str):
-        parsed = parse_number(gold)
+        parsed = parse_answer(gold)
         if parsed is None:
             raise ValueError(f"gold answer {gold!r} is not a number")
         gold = parsed

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from examples.gsm8k import prepare as gsm_prepare
-from examples.gsm8k.task import answers_match, extract_answer, make_splits, parse_number, score
+from examples.gsm8k.task import answers_match, extract_answer, make_splits, parse_answer, parse_number, score
 from rollover.config import load_config
 from rollover.metrics import read_jsonl
 from rollover.training.data import read_tasks, write_tasks
@@ -65,6 +65,24 @@ def test_parse_number_none(text):
 
 
 @pytest.mark.parametrize(
+    "text, value",
+    [
+        ("42", 42),
+        ("$1,200.", 1200),
+        ("42 (42 apples)", 42),
+        ("18 dollars per day", 18),
+        ("1 1/2 cups", Fraction(3, 2)),
+        ("2 * 2 = 4", None),  # an expression, not an answer
+        ("50% of 80", None),
+        ("3-4", None),
+        ("none", None),
+    ],
+)
+def test_parse_answer(text, value):
+    assert parse_answer(text) == value
+
+
+@pytest.mark.parametrize(
     "reply, answer",
     [
         ("3 + 4 = 7\n#### 7", "7"),
@@ -108,6 +126,8 @@ def test_score():
     assert score(task, "#### 288.0") == 1.0
     assert score(task, "#### 287") == 0.0
     assert score(task, "the answer is 288") == 0.0  # the protocol's marker is required
+    assert score({"answer": "2"}, "#### 2 * 2 = 4") == 0.0  # its first number is not its answer
+    assert score({"answer": "4"}, "#### 2 * 2 = 4") == 0.0
 
 
 # -- the data -------------------------------------------------------------------------------------
