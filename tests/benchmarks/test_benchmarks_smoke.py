@@ -19,7 +19,8 @@ def test_async_vs_sync_smoke(tmp_path, calc_model, vllm_engine, capsys):
         median=0.01, sigma=0.5, batch=2, n=2, updates=2, out_dir=tmp_path, model=calc_model
     )
     report = async_vs_sync.run_benchmark(settings, (2.0,), engine=vllm_engine)
-    print(async_vs_sync.format_report(report))
+    with capsys.disabled():  # shown with -s; capsys is for the planner's output below
+        print(async_vs_sync.format_report(report))
     assert report.sync.updates == 2 and report.sync.window == 2
     [result] = report.asyncs
     assert result.mode == "async" and result.window == 4 and result.updates == 2
@@ -36,6 +37,8 @@ def test_async_vs_sync_smoke(tmp_path, calc_model, vllm_engine, capsys):
     # The planner against the run folders just written.
     assert simulate_vs_measured.main(["--from", str(tmp_path), "--sim-seeds", "2", "--json"]) == 0
     [comparison] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["comparisons"]
+    with capsys.disabled():
+        print(comparison)
     assert comparison["window"] == 4 and comparison["measured"] > 0 and comparison["predicted"] > 0
 
 

@@ -75,7 +75,7 @@ def test_chat_returns_token_ids_and_logprobs(vllm_engine: VLLMEngine, tiny_model
 def test_completions_return_token_ids_and_logprobs(vllm_engine: VLLMEngine) -> None:
     resp = httpx.post(f"{vllm_engine.base_url}/completions", timeout=120, json={
         "model": "policy", "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 1.0,
-        "logprobs": 0, "return_token_ids": True,
+        "logprobs": 0, "return_token_ids": True, "ignore_eos": True,  # a sampled eos must not cut it short
     })
     choice = resp.json()["choices"][0]
     assert choice["prompt_token_ids"] == [5, 6, 7, 8]
