@@ -160,9 +160,9 @@ def agent_environment(median: float, sigma: float) -> Iterator[None]:
 def calc_model(settings: Settings) -> Path:
     if settings.model is not None:
         return settings.model
-    from examples.calc.prepare import WARMUP_STEPS, tiny_calc_model
+    from examples.calc.prepare import MODEL_NAME, tiny_calc_model
 
-    return tiny_calc_model(ROOT / "runs" / "_cache" / "calc" / f"tiny-warm{WARMUP_STEPS}")
+    return tiny_calc_model(ROOT / "runs" / "_cache" / "calc" / MODEL_NAME)
 
 
 def write_data(out_dir: Path) -> tuple[Path, Path]:

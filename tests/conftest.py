@@ -43,11 +43,11 @@ def admin(gateway: GatewayThread) -> Iterator[httpx.Client]:
 def calc_model(tmp_path_factory):
     """The calc example's tiny model, built and warmed up locally once per session
     (ROLLOVER_TEST_CALC_MODEL names an already built one, to iterate faster locally)."""
-    from examples.calc.prepare import WARMUP_STEPS, tiny_calc_model
+    from examples.calc.prepare import MODEL_NAME, tiny_calc_model
 
     if os.environ.get("ROLLOVER_TEST_CALC_MODEL"):
         return Path(os.environ["ROLLOVER_TEST_CALC_MODEL"])
-    return tiny_calc_model(tmp_path_factory.mktemp("calc-model") / f"tiny-warm{WARMUP_STEPS}")
+    return tiny_calc_model(tmp_path_factory.mktemp("calc-model") / MODEL_NAME)
 
 
 @pytest.fixture(scope="session")

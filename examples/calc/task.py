@@ -64,12 +64,17 @@ def score(task: dict[str, Any], final_text: str) -> float:
     return 1.0 if match and int(match.group(1)) == int(task["answer"]) else 0.0
 
 
-def demonstration(task: dict[str, Any]) -> list[dict[str, str]]:
-    """A correct transcript, used to warm a tiny model up on the protocol."""
+PROSE_ANSWER = "The answer is {}."
+
+
+def demonstration(task: dict[str, Any], final_format: str = "ANSWER: {}") -> list[dict[str, str]]:
+    """A transcript that uses the calculator, used to warm a tiny model up on the protocol.
+    With `final_format=PROSE_ANSWER` the arithmetic is right but the reply breaks the
+    protocol, so `score` gives it nothing."""
     return [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": task["question"]},
         {"role": "assistant", "content": f"<calc>{task['expression']}</calc>"},
         {"role": "tool", "content": str(task["answer"])},
-        {"role": "assistant", "content": f"ANSWER: {task['answer']}"},
+        {"role": "assistant", "content": final_format.format(task["answer"])},
     ]

@@ -73,9 +73,9 @@ def test_async_training_end_to_end(tmp_path, calc_model, vllm_engine, long_taile
     assert max(r["policy/version_lag_max"] for r in train) >= 1  # stale tokens are measured
     before, after = val[0]["val/reward_mean"], val[-1]["val/reward_mean"]
     print(f"held-out reward before {before:.3f} after {after:.3f} margin {after - before:+.3f}")
-    # Ten small updates do not reliably raise the tiny model's held-out reward (measured margins
-    # ranged from -0.01 to +0.07); what must hold is that training does not wreck the policy.
-    assert after >= before - 0.15
+    # The warm-up leaves the policy unsure of the answer format (examples/calc/prepare.py); RL
+    # learns it from the reward alone. Measured margins: +0.27 here, +0.29 to +0.34 offline.
+    assert after >= before + 0.1, f"no learning signal: held-out reward {before:.3f} -> {after:.3f}"
     assert (tmp_path / "async" / "checkpoints" / "latest").read_text() == f"step_{steps}"
 
 
