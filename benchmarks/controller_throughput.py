@@ -3,13 +3,17 @@
 A gateway runs as its own process, a stand-in upstream answers every chat call at once, and
 an in-process `Controller` runs `--rollouts` trivial agents, `--concurrency` at a time. Each
 agent makes one LLM call through the gateway's proxy (carrying its rollout id, so the
-upstream can time its arrival) and reports a reward.
+upstream can time its arrival) and reports a reward. The `sdk` agent does it the way real
+agents do, with `AgentContext` and the OpenAI client; the `stdlib` one with urllib only.
 
-Prints: rollouts started and finished per second, and the overhead from the claim (the
-rollout's `started_at`) to the agent's first LLM call reaching the upstream, in ms, next
-to the bare cost of starting a Python interpreter on this machine.
+Every start method of the local runner runs the same workload in one run (`forkserver`:
+agents forked from a process that imported the SDK once; `spawn`: a fresh interpreter per
+agent). Prints, per method: rollouts started and finished per second, and the overhead
+from the claim (the rollout's `started_at`) to the agent's first LLM call reaching the
+upstream, in ms; then the ratios between the methods, and the bare cost of starting a
+Python interpreter on this machine.
 
-Usage: python benchmarks/controller_throughput.py [--rollouts 64] [--concurrency 16]
+Usage: python benchmarks/controller_throughput.py [--rollouts 64] [--concurrency 16] [--agent sdk|stdlib]
 """
 
 from __future__ import annotations
@@ -17,6 +21,17 @@ from __future__ import annotations
 import json
 import os
 import urllib.request
+
+
+class SdkAgent:
+    """What a real agent does: the SDK's context and OpenAI client."""
+
+    def run(self) -> None:
+        from rollover.agent import AgentContext
+
+        ctx = AgentContext.from_env()
+        ctx.openai().chat.completions.create(model="policy", messages=[{"role": "user", "content": ctx.rollout_id}], max_tokens=1)
+        ctx.report_reward(1.0)
 
 
 class BenchAgent:
@@ -60,7 +75,10 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--poll-interval", type=float, default=0.25)
+    parser.add_argument("--agent", choices=["sdk", "stdlib"], default="sdk")
+    parser.add_argument("--start-methods", default="forkserver,spawn")
     args = parser.parse_args()
+    agent_class = "benchmarks.controller_throughput:" + ("SdkAgent" if args.agent == "sdk" else "BenchAgent")
 
     arrivals: dict[str, float] = {}
 
@@ -92,17 +110,18 @@ def main() -> None:
             samples.append((time.perf_counter() - started) * 1000)
         return statistics.median(samples)
 
-    async def bench(gateway_url: str, key: str, log_dir: str) -> None:
+    async def bench(gateway_url: str, key: str, log_dir: str, start_method: str) -> dict[str, float]:
         config = validate_config({
             "agentlightning": {
-                "local": {"agent_class": "benchmarks.controller_throughput:BenchAgent", "max_concurrency": args.concurrency},
+                "local": {"agent_class": agent_class, "max_concurrency": args.concurrency, "start_method": start_method},
                 "rollout_timeout_seconds": 120,
             }
         })
+        arrivals.clear()
         async with GatewayClient(gateway_url, key) as client:
             await client.register_models([{"model": "policy", "endpoint": f"http://127.0.0.1:{upstream_port}/v1"}])
             async with Controller(config, client, log_dir=log_dir, poll_interval=args.poll_interval):
-                ids = [f"bench-{i:04d}" for i in range(args.rollouts)]
+                ids = [f"bench-{start_method}-{i:04d}" for i in range(args.rollouts)]
                 started = time.perf_counter()
                 await client.enqueue([RolloutCreate(rollout_id=rid, input={}) for rid in ids])
                 while True:
@@ -114,22 +133,34 @@ def main() -> None:
         failed = [r for r in rollouts if r.state.value != "succeeded"]
         overhead_ms = sorted((arrivals[r.rollout_id] - (r.started_at or 0)) * 1000 for r in rollouts if r.rollout_id in arrivals)
         run_s = sorted((r.finished_at or 0) - (r.started_at or 0) for r in rollouts)
-        print(f"rollouts: {args.rollouts}, concurrency: {args.concurrency}, poll interval: {args.poll_interval}s, "
-              f"cores: {os.cpu_count()}")
-        print(f"succeeded: {args.rollouts - len(failed)}, failed: {len(failed)}"
-              + (f" (first: {failed[0].status.error_message})" if failed else ""))
-        print(f"throughput: {args.rollouts / elapsed:.1f} rollouts started+finished per second ({elapsed:.2f}s in all)")
-        if overhead_ms:
-            q = statistics.quantiles(overhead_ms, n=10, method="inclusive") if len(overhead_ms) > 1 else overhead_ms * 9
-            print(f"claim -> first LLM call at the upstream: p50 {statistics.median(overhead_ms):.0f} ms, "
-                  f"p90 {q[8]:.0f} ms, max {overhead_ms[-1]:.0f} ms")
-        print(f"claim -> finished (whole trivial rollout): p50 {statistics.median(run_s) * 1000:.0f} ms")
+        if failed:
+            print(f"{start_method}: {len(failed)} failed (first: {failed[0].status.error_message})")
+        q = statistics.quantiles(overhead_ms, n=10, method="inclusive") if len(overhead_ms) > 1 else overhead_ms * 9
+        return {
+            "throughput": args.rollouts / elapsed, "elapsed": elapsed, "failed": len(failed),
+            "start_p50": statistics.median(overhead_ms), "start_p90": q[8], "start_max": overhead_ms[-1],
+            "run_p50": statistics.median(run_s) * 1000,
+        }
+
+    async def bench_all(gateway_url: str, key: str, log_dir: str) -> None:
+        methods = args.start_methods.split(",")
+        results = {m: await bench(gateway_url, key, f"{log_dir}/{m}", m) for m in methods}
+        print(f"rollouts: {args.rollouts}, concurrency: {args.concurrency}, agent: {args.agent}, "
+              f"poll interval: {args.poll_interval}s, cores: {os.cpu_count()}, load: {os.getloadavg()[0]:.1f}")
+        print(f"{'start method':<12} {'rollouts/s':>10} {'claim->LLM p50':>15} {'p90':>7} {'max':>7} {'rollout p50':>12} {'failed':>6}")
+        for method, r in results.items():
+            print(f"{method:<12} {r['throughput']:>10.1f} {r['start_p50']:>12.0f} ms {r['start_p90']:>7.0f} {r['start_max']:>7.0f}"
+                  f" {r['run_p50']:>9.0f} ms {r['failed']:>6.0f}")
+        if "forkserver" in results and "spawn" in results:
+            fork, spawn = results["forkserver"], results["spawn"]
+            print(f"forkserver / spawn: throughput x{fork['throughput'] / spawn['throughput']:.2f}, "
+                  f"claim -> first LLM call p50 x{fork['start_p50'] / spawn['start_p50']:.2f}")
         print(f"for reference, a bare `python -c 'import urllib.request'`: {python_startup_ms():.0f} ms")
 
     key = "bench-admin"
     with tempfile.TemporaryDirectory() as tmp, GatewayProcess(f"{tmp}/bench.db", key) as gateway:
         wait_healthy(gateway.url)
-        asyncio.run(bench(gateway.url, key, f"{tmp}/agent_logs"))
+        asyncio.run(bench_all(gateway.url, key, f"{tmp}/agent_logs"))
     server.should_exit = True
 
 

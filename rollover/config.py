@@ -94,6 +94,8 @@ class LocalRunnerConfig(_Section):
     agent_class: str | None = None
     env_map: dict[str, str] = {}
     max_concurrency: int = Field(64, gt=0)
+    start_method: Literal["forkserver", "spawn"] = "forkserver"
+    preload_modules: list[str] = []
 
     @field_validator("agent_class")
     @classmethod

@@ -19,6 +19,8 @@ import sys
 from typing import Any, Awaitable
 
 CLASS_ENV = "AGL_AGENT_CLASS"
+# Set by the local runner's spawn path: the agent dies with the controller that started it.
+PARENT_PID_ENV = "ROLLOVER_PARENT_PID"
 
 
 class AgentClassError(ValueError):
@@ -71,6 +73,11 @@ def run_agent(spec: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent:
+        from rollover.processes import exit_if_orphaned
+
+        exit_if_orphaned(int(parent))
     argv = sys.argv[1:] if argv is None else argv
     spec = argv[0] if argv else os.environ.get(CLASS_ENV, "")
     if not spec:

@@ -1,9 +1,11 @@
 """Local runner: one child process per attempt, in its own process group.
 
-`python -m rollover.controller.agent_main pkg.mod:Class` starts in the controller's cwd with
-that cwd on PYTHONPATH, output to `<log_dir>/<rollout id>.<attempt id>.log`. A process group
-per agent lets the controller stop the agent together with anything it spawned (tool
-sandboxes, servers); `die_with_parent` makes Linux kill the agent if the controller dies.
+Each agent runs `rollover.controller.agent_main pkg.mod:Class` in the controller's cwd with
+that cwd on PYTHONPATH, output to `<log_dir>/<rollout id>.<attempt id>.log`: forked from the
+fork server (`forkserver.py`, which has imported the agent SDK once) or, with
+`agentlightning.local.start_method: spawn`, as a fresh interpreter. A process group per agent
+lets the controller stop the agent together with anything it spawned (tool sandboxes,
+servers); Linux kills the agent if the controller dies.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import time
 from pathlib import Path
 
 from rollover.config import LocalRunnerConfig
-from rollover.controller.agent_main import AgentClassError, load_agent_class
+from rollover.controller.agent_main import PARENT_PID_ENV, AgentClassError, load_agent_class
 from rollover.controller.controller import ControllerConfigError, LaunchError, LaunchSpec, Outcome
-from rollover.processes import die_with_parent, group_alive
+from rollover.controller.forkserver import ForkServerClient, ForkServerError
+from rollover.processes import group_alive
 
 log = logging.getLogger("rollover.controller.local")
 
@@ -77,26 +80,26 @@ def describe_exit(returncode: int) -> str:
 
 
 class LocalExecution:
+    """One agent process, however it was started: `exited` resolves to its return code
+    (None when its fork server died under it)."""
+
     job_name: str | None = None
 
-    def __init__(self, process: asyncio.subprocess.Process, log_path: Path, kill_grace_seconds: float) -> None:
-        self.process = process
-        self.pgid = process.pid  # start_new_session=True: the agent leads its own group
+    def __init__(self, pid: int, exited: asyncio.Future[int | None], log_path: Path, kill_grace_seconds: float) -> None:
+        self.pid = pid
+        self.pgid = pid  # the agent leads its own session and process group
+        self.exited = exited
         self.log_path = log_path
         self.kill_grace_seconds = kill_grace_seconds
         self._kill_lock = asyncio.Lock()
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
     async def wait(self) -> Outcome:
-        returncode = await self.process.wait()
+        returncode = await asyncio.shield(self.exited)
         # Whatever the agent left running in its group goes with it.
         await self._clear_group()
         if returncode == 0:
             return Outcome(True)
-        reason = describe_exit(returncode)
+        reason = "the fork server that started it died" if returncode is None else describe_exit(returncode)
         tail = log_tail(self.log_path)
         if tail:
             return Outcome(False, f"{reason}: last lines of {self.log_path}:\n{tail}")
@@ -104,10 +107,10 @@ class LocalExecution:
 
     async def kill(self) -> None:
         async with self._kill_lock:
-            if self.process.returncode is None:
+            if not self.exited.done():
                 _signal_group(self.pgid, signal.SIGTERM)
                 try:
-                    await asyncio.wait_for(self.process.wait(), self.kill_grace_seconds)
+                    await asyncio.wait_for(asyncio.shield(self.exited), self.kill_grace_seconds)
                 except asyncio.TimeoutError:
                     pass
             await self._clear_group()
@@ -116,13 +119,16 @@ class LocalExecution:
         if not group_alive(self.pgid):
             return
         _signal_group(self.pgid, signal.SIGKILL)
-        await self.process.wait()
+        await asyncio.shield(self.exited)
         deadline = time.monotonic() + 5.0
         while live_group_members(self.pgid) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
 
 class LocalRunner:
+    """Agents as local processes: forks of a pre-imported fork server (`start_method:
+    forkserver`, the default) or fresh interpreters (`spawn`)."""
+
     def __init__(self, config: LocalRunnerConfig, *, log_dir: Path, cwd: Path, kill_grace_seconds: float = 2.0) -> None:
         self.config = config
         self.log_dir = log_dir
@@ -138,6 +144,11 @@ class LocalRunner:
         error = self._check_class(config.agent_class)
         if error:
             raise ControllerConfigError(f"agentlightning.local.agent_class: {error}")
+        self.fork_server = (
+            ForkServerClient(list(config.preload_modules), log_path=log_dir / "forkserver.log", cwd=cwd)
+            if config.start_method == "forkserver"
+            else None
+        )
 
     def _check_class(self, spec: str) -> str | None:
         """Import the class here once, so a typo fails fast instead of in every agent."""
@@ -154,11 +165,15 @@ class LocalRunner:
 
     async def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.fork_server is not None:
+            await self.fork_server.start()
 
     async def stop(self) -> None:
         live = list(self._live)
         if live:
             await asyncio.gather(*(execution.kill() for execution in live), return_exceptions=True)
+        if self.fork_server is not None:
+            await self.fork_server.stop()
 
     def claim_budget(self, horizon_seconds: float) -> int:
         return sys.maxsize
@@ -183,33 +198,31 @@ class LocalRunner:
         if error:
             raise LaunchError(f"agent class: {error}", permanent=True)
         log_path = self.log_dir / f"{spec.rollout_id}.{spec.attempt_id}.log"
+        env = self._child_env(spec)
         try:
-            with open(log_path, "ab") as log_file:
-                process = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "rollover.controller.agent_main",
-                    agent_class,
-                    cwd=self.cwd,
-                    env=self._child_env(spec),
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=asyncio.subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=die_with_parent,
-                )
-        except OSError as exc:
-            raise LaunchError(f"cannot start the agent process: {exc!r}") from exc
-        execution = LocalExecution(process, log_path, self.kill_grace_seconds)
+            if self.fork_server is not None:
+                pid, exited = await self.fork_server.spawn(agent_class, env, self.cwd, log_path)
+            else:
+                pid, exited = await self._spawn(agent_class, env, log_path)
+        except (OSError, ForkServerError) as exc:
+            raise LaunchError(f"cannot start the agent process: {exc}") from exc
+        execution = LocalExecution(pid, exited, log_path, self.kill_grace_seconds)
         self._live.add(execution)
-        reaper = asyncio.get_running_loop().create_task(self._forget_when_done(execution))
-        self._reapers.add(reaper)
-        reaper.add_done_callback(self._reapers.discard)
-        log.debug("rollout %s attempt %s: pid %d, log %s", spec.rollout_id, spec.attempt_id, process.pid, log_path)
+        exited.add_done_callback(lambda _: self._live.discard(execution))
+        log.debug("rollout %s attempt %s: pid %d, log %s", spec.rollout_id, spec.attempt_id, pid, log_path)
         return execution
 
-    async def _forget_when_done(self, execution: LocalExecution) -> None:
-        try:
-            await execution.process.wait()
-        finally:
-            self._live.discard(execution)
+    async def _spawn(self, agent_class: str, env: dict[str, str], log_path: Path) -> tuple[int, asyncio.Future[int | None]]:
+        """A fresh interpreter. No `preexec_fn`: it would make Python fork the whole
+        controller process; the agent asks for its parent-death signal itself."""
+        env[PARENT_PID_ENV] = str(os.getpid())
+        with open(log_path, "ab") as log_file:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "rollover.controller.agent_main", agent_class,
+                cwd=self.cwd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            )
+        exited: asyncio.Task[int | None] = asyncio.get_running_loop().create_task(process.wait())
+        self._reapers.add(exited)
+        exited.add_done_callback(self._reapers.discard)
+        return process.pid, exited

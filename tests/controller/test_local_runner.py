@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -36,11 +37,20 @@ AGENTS = "tests.controller.agents"
 
 
 @asynccontextmanager
-async def controller(client: GatewayClient, tmp_path: Path, agent: str, **settings: Any) -> AsyncIterator[Controller]:
-    local = {"agent_class": f"{AGENTS}:{agent}", **settings.pop("local", {})}
+async def run_controller(
+    client: GatewayClient, tmp_path: Path, agent: str, start_method: str, **settings: Any
+) -> AsyncIterator[Controller]:
+    local = {"agent_class": f"{AGENTS}:{agent}", "start_method": start_method, **settings.pop("local", {})}
     config = make_config(local=local, **settings)
     async with Controller(config, client, log_dir=tmp_path / "logs", poll_interval=0.1) as running:
         yield running
+
+
+@pytest.fixture(params=["forkserver", "spawn"])
+def controller(request: pytest.FixtureRequest) -> Any:
+    """`controller(client, tmp_path, agent, **settings)`: a running controller, once with agents
+    forked from the fork server and once with a fresh interpreter per agent."""
+    return functools.partial(run_controller, start_method=request.param)
 
 
 async def enqueue(client: GatewayClient, prefix: str, input: Any = None, **fields: Any) -> str:
@@ -49,7 +59,7 @@ async def enqueue(client: GatewayClient, prefix: str, input: Any = None, **field
     return rollout_id
 
 
-async def test_success_reports_reward_sync_and_async_agents(client: GatewayClient, tmp_path: Path) -> None:
+async def test_success_reports_reward_sync_and_async_agents(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
     async with controller(client, tmp_path, "RewardAgent"):
         sync_id = await enqueue(client, "ok", {"reward": 0.75})
         async_id = await enqueue(client, "ok-async", config={"local": {"agent_class": f"{AGENTS}:AsyncRewardAgent"}})
@@ -63,7 +73,7 @@ async def test_success_reports_reward_sync_and_async_agents(client: GatewayClien
     assert (tmp_path / "logs" / f"{sync_id}.a1.log").exists()
 
 
-async def test_nonzero_exit_fails_with_exit_code_and_log_tail(client: GatewayClient, tmp_path: Path) -> None:
+async def test_nonzero_exit_fails_with_exit_code_and_log_tail(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
     async with controller(client, tmp_path, "FailingAgent"):
         rollout_id = await enqueue(client, "exit")
         done = await wait_for_rollout(client, rollout_id)
@@ -75,7 +85,7 @@ async def test_nonzero_exit_fails_with_exit_code_and_log_tail(client: GatewayCli
     assert done.attempts[0].error_message == message
 
 
-async def test_agent_killed_by_signal(client: GatewayClient, tmp_path: Path) -> None:
+async def test_agent_killed_by_signal(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
     async with controller(client, tmp_path, "SelfKillAgent"):
         rollout_id = await enqueue(client, "sigkill")
         done = await wait_for_rollout(client, rollout_id)
@@ -84,7 +94,7 @@ async def test_agent_killed_by_signal(client: GatewayClient, tmp_path: Path) -> 
     assert "going down" in (done.status.error_message or "")
 
 
-async def test_hanging_agent_times_out_and_is_killed(client: GatewayClient, tmp_path: Path) -> None:
+async def test_hanging_agent_times_out_and_is_killed(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
     async with controller(client, tmp_path, "SleepAgent", rollout_timeout_seconds=30):
         pid_file = tmp_path / "hang.pids"
         rollout_id = await enqueue(client, "hang", {"pid_file": str(pid_file)}, config={"timeout_seconds": 1.0})
@@ -96,7 +106,7 @@ async def test_hanging_agent_times_out_and_is_killed(client: GatewayClient, tmp_
     assert_group_gone(pids[0])
 
 
-async def test_paused_time_does_not_count(client: GatewayClient, tmp_path: Path) -> None:
+async def test_paused_time_does_not_count(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
     # 3 s of work against a 2 s timeout: it only fits because 2 s of it are paused.
     async with controller(client, tmp_path, "RewardAgent"):
         rollout_id = await enqueue(client, "paused", {"sleep": 3.0}, config={"timeout_seconds": 2.0})
@@ -109,7 +119,7 @@ async def test_paused_time_does_not_count(client: GatewayClient, tmp_path: Path)
     assert done.state == RolloutState.SUCCEEDED, done.status
 
 
-async def test_failed_attempt_is_retried_and_events_of_both_kept(client: GatewayClient, tmp_path: Path) -> None:
+async def test_failed_attempt_is_retried_and_events_of_both_kept(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
     async with controller(client, tmp_path, "FlakyAgent", max_attempts=2):
         rollout_id = await enqueue(client, "flaky")
         done = await wait_for_rollout(client, rollout_id)
@@ -121,7 +131,7 @@ async def test_failed_attempt_is_retried_and_events_of_both_kept(client: Gateway
     assert (await client.triplets(rollout_id)).reward == 1.0
 
 
-async def test_last_attempt_failure_fails_the_rollout(client: GatewayClient, tmp_path: Path) -> None:
+async def test_last_attempt_failure_fails_the_rollout(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
     async with controller(client, tmp_path, "FailingAgent", max_attempts=2):
         rollout_id = await enqueue(client, "fail-twice")
         done = await wait_for_rollout(client, rollout_id)
@@ -129,7 +139,7 @@ async def test_last_attempt_failure_fails_the_rollout(client: GatewayClient, tmp
     assert [a.attempt_id for a in done.attempts] == ["a1", "a2"]
 
 
-async def test_abort_and_delete_kill_the_agent_promptly(client: GatewayClient, tmp_path: Path) -> None:
+async def test_abort_and_delete_kill_the_agent_promptly(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
     async with controller(client, tmp_path, "SleepAgent"):
         abort_pids, delete_pids = tmp_path / "abort.pids", tmp_path / "delete.pids"
         aborted = await enqueue(client, "abort", {"pid_file": str(abort_pids)})
@@ -145,7 +155,7 @@ async def test_abort_and_delete_kill_the_agent_promptly(client: GatewayClient, t
     assert_group_gone(other[0])
 
 
-async def test_env_contract_and_env_map(client: GatewayClient, tmp_path: Path, gateway: GatewayThread) -> None:
+async def test_env_contract_and_env_map(client: GatewayClient, tmp_path: Path, gateway: GatewayThread, controller: Any) -> None:
     env_map = {"QUESTION": "input.question", "META": "input.meta", "FIRST": "input.items.0", "COUNT": "input.n"}
     extra = list(env_map)
     async with controller(client, tmp_path, "EnvAgent", local={"env_map": env_map}, max_attempts=3):
@@ -193,7 +203,7 @@ async def test_bad_agent_class_is_a_clear_error_at_construction(client: GatewayC
     assert isinstance(info.value, (ValueError, ConfigError))
 
 
-async def test_stop_kills_every_agent_and_requeues_its_rollout(client: GatewayClient, tmp_path: Path) -> None:
+async def test_stop_kills_every_agent_and_requeues_its_rollout(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
     pid_files = [tmp_path / f"stop{i}.pids" for i in range(3)]
     async with controller(client, tmp_path, "SleepAgent") as running:
         ids = [await enqueue(client, "stop", {"pid_file": str(path)}) for path in pid_files]
@@ -209,7 +219,7 @@ async def test_stop_kills_every_agent_and_requeues_its_rollout(client: GatewayCl
         await client.update_status(rollout_id, state=RolloutState.FAILED, error_message="aborted: test over")
 
 
-async def test_max_concurrency_is_respected(client: GatewayClient, tmp_path: Path) -> None:
+async def test_max_concurrency_is_respected(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
     async with controller(client, tmp_path, "RewardAgent", local={"max_concurrency": 2}) as running:
         ids = [await enqueue(client, "conc", {"sleep": 0.3}) for _ in range(4)]
         peak = 0
@@ -223,7 +233,7 @@ async def test_max_concurrency_is_respected(client: GatewayClient, tmp_path: Pat
     assert peak == 2
 
 
-async def test_controller_rides_out_a_gateway_that_starts_late(tmp_path: Path) -> None:
+async def test_controller_rides_out_a_gateway_that_starts_late(tmp_path: Path, controller: Any) -> None:
     port = free_port()
     async with GatewayClient(f"http://127.0.0.1:{port}", ADMIN_KEY) as late_client:
         async with controller(late_client, tmp_path, "RewardAgent"):

@@ -1,0 +1,94 @@
+"""The fork server the local runner starts agents from: crashes on either side leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rollover.controller import Controller
+from rollover.gateway.client import GatewayClient
+from rollover.gateway.server import GatewayThread
+from rollover.store.models import RolloutCreate, RolloutState
+
+from tests.controller.conftest import ADMIN_KEY, alive, make_config, new_id, read_pids, wait_for_rollout, wait_gone
+
+AGENTS = "tests.controller.agents"
+
+
+def fork_servers_of(parent_pid: int) -> list[int]:
+    """Fork servers started by `parent_pid` (its agents, forks of a server, share the argv)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            ppid = int(Path(f"/proc/{entry}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if b"rollover.controller.forkserver" in argv and ppid == parent_pid and alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+async def test_a_dead_fork_server_fails_its_agents_and_is_restarted(client: GatewayClient, tmp_path: Path) -> None:
+    config = make_config(local={"agent_class": f"{AGENTS}:SleepAgent"})
+    async with Controller(config, client, log_dir=tmp_path / "logs", poll_interval=0.1):
+        [server] = fork_servers_of(os.getpid())
+        pid_file = tmp_path / "victim.pids"
+        victim = new_id("victim")
+        await client.enqueue([RolloutCreate(rollout_id=victim, input={"pid_file": str(pid_file)})])
+        pids = await read_pids(pid_file)
+        assert os.getpgid(pids[0]) == pids[0]  # the agent leads its own group
+        os.kill(server, signal.SIGKILL)
+        done = await wait_for_rollout(client, victim)
+        assert done.state == RolloutState.FAILED
+        assert "fork server" in (done.status.error_message or "")
+        await wait_gone(pids, timeout=5.0)  # the agent and its grandchild die with the server
+        # The next attempt gets a new server.
+        after = new_id("after")
+        await client.enqueue([RolloutCreate(rollout_id=after, input={"pid_file": str(tmp_path / "after.pids"), "seconds": 0})])
+        assert (await wait_for_rollout(client, after)).state == RolloutState.SUCCEEDED
+        [restarted] = fork_servers_of(os.getpid())
+        assert restarted != server
+    assert fork_servers_of(os.getpid()) == []  # the controller stops its server on exit
+
+
+def test_kill_9_of_the_controller_takes_the_fork_server_and_agents_down(gateway: GatewayThread, tmp_path: Path) -> None:
+    import httpx
+
+    pid_file = tmp_path / "orphan.pids"
+    rollout_id = new_id("orphan")
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    httpx.post(f"{gateway.url}/api/rollouts", json=[{"rollout_id": rollout_id, "input": {"pid_file": str(pid_file)}}],
+               headers=headers).raise_for_status()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rollover.cli.main", "controller", "--gateway", gateway.url, "--key", ADMIN_KEY,
+         "--runner", "local", f"agentlightning.local.agent_class={AGENTS}:SleepAgent"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists():
+            assert process.poll() is None and time.monotonic() < deadline, "the agent never started"
+            time.sleep(0.05)
+        time.sleep(0.1)
+        agents = [int(p) for p in pid_file.read_text().split()]
+        servers = fork_servers_of(process.pid)
+        assert len(servers) == 1
+        process.kill()
+        process.wait()
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in servers + agents):
+            assert time.monotonic() < deadline, f"left running: {[p for p in servers + agents if alive(p)]}"
+            time.sleep(0.05)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    httpx.patch(f"{gateway.url}/api/rollouts/{rollout_id}", json={"status": {"state": "failed", "error_message": "aborted: test over"}},
+                headers=headers)
