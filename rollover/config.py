@@ -55,6 +55,7 @@ class RolloutConfig(_Section):
     enforce_eager: bool = True
     engine_args: list[str] = []
     start_timeout_seconds: float = Field(300, gt=0)
+    max_engine_restarts: int = Field(3, ge=0)
 
 
 class OptimConfig(_Section):

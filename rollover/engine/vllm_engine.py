@@ -428,6 +428,28 @@ class VLLMEngine:
         """True while the server process runs (it may still be starting)."""
         return self._proc is not None and self._proc.poll() is None
 
+    def failure(self) -> str | None:
+        """Why a started engine is down (exit code and the tail of its log); None while it
+        runs or before it was started."""
+        if self._proc is None or self._proc.poll() is None:
+            return None
+        return f"vLLM exited with code {self._proc.returncode}; last lines of {self.log_path}:\n{tail_lines(self.log_path, 20)}"
+
+    async def restart(self) -> float:
+        """Start the engine again (after a crash) on the same port, serving the weights and
+        `policy_version` it served before, and re-register it with the attached gateway.
+        Returns the seconds it took."""
+        started = time.monotonic()
+        await asyncio.to_thread(self.stop)
+        self._sleep_level = 0
+        self.start()  # in the caller's thread: the parent-death signal is tied to it
+        await asyncio.to_thread(self.wait_ready)
+        if self.weights_dir != self.model_dir:
+            await self.load_weights(self.weights_dir, version=self.policy_version)
+        elif self.gateway_url is not None:
+            await self.register_with_gateway(self.gateway_url, self._gateway_key or "")
+        return time.monotonic() - started
+
     def stop(self, grace_s: float | None = None) -> None:
         """Stop vLLM: SIGTERM to the supervisor (it stops the server, which stops its
         engine and workers, then sweeps the process group); SIGKILL to the group for

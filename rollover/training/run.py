@@ -57,11 +57,13 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 class EngineWeightSync:
-    """Collocated weight sync: save safetensors, reload them in the running vLLM server."""
+    """Collocated weight sync: save safetensors, reload them in the running vLLM server.
+    `lock` is shared with the engine watchdog, so a restart never races a reload."""
 
-    def __init__(self, engine: Any, weights_root: Path) -> None:
+    def __init__(self, engine: Any, weights_root: Path, lock: asyncio.Lock | None = None) -> None:
         self.engine = engine
         self.weights_root = weights_root
+        self.lock = lock or asyncio.Lock()
 
     async def before_update(self) -> None:
         if getattr(self.engine, "device", "cpu") == "cuda":
@@ -72,7 +74,8 @@ class EngineWeightSync:
 
         target = self.weights_root / f"v{version}"
         await asyncio.to_thread(save_weights, policy.model, target)
-        await self.engine.load_weights(target, version=version)
+        async with self.lock:
+            await self.engine.load_weights(target, version=version)
         for old in self.weights_root.glob("v*"):
             if old != target:
                 shutil.rmtree(old, ignore_errors=True)
@@ -97,6 +100,7 @@ def _required(value: str | None, key: str) -> str:
 async def _run(config: RolloverConfig, shared_engine: Any = None) -> int:
     from rollover.controller import Controller
     from rollover.engine.vllm_engine import VLLMEngine
+    from rollover.engine.watchdog import EngineWatchdog
     from rollover.gateway.auth import new_admin_key
     from rollover.gateway.client import GatewayClient
     from rollover.gateway.server import GatewayProcess
@@ -171,11 +175,12 @@ async def _run(config: RolloverConfig, shared_engine: Any = None) -> int:
             await engine.load_weights(model_path, version=0)
         client = GatewayClient(gateway.url, admin_key)
         async with Controller(config, client, log_dir=run_dir / "agent_logs") as controller:
+            engine_lock = asyncio.Lock()
             trainer = Trainer(
                 config=config,
                 client=client,
                 policy=policy,
-                weight_sync=EngineWeightSync(engine, run_dir / "weights"),
+                weight_sync=EngineWeightSync(engine, run_dir / "weights", engine_lock),
                 train_tasks=train_tasks,
                 val_tasks=val_tasks,
                 metrics=metrics,
@@ -188,7 +193,8 @@ async def _run(config: RolloverConfig, shared_engine: Any = None) -> int:
             engine.policy_version = trainer.policy_version
             engine.attach_gateway(gateway.url, admin_key)
             await engine.register_with_gateway(gateway.url, admin_key)
-            await trainer.fit(policy.optimizer)
+            watchdog = EngineWatchdog(engine, engine_lock, max_restarts=rollout.max_engine_restarts)
+            await _until_first_done(trainer.fit(policy.optimizer), watchdog.run())
         summary = {k: v for k, v in trainer.history[-1].items()} if trainer.history else {}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return 0
@@ -201,6 +207,22 @@ async def _run(config: RolloverConfig, shared_engine: Any = None) -> int:
         else:
             engine.gateway_url = None  # this run's gateway is going away
         gateway.stop()
+
+
+async def _until_first_done(main: Any, guard: Any) -> Any:
+    """Run `main` with `guard` beside it; whichever ends first (the guard only by raising)
+    ends the other. Returns `main`'s result."""
+    main_task, guard_task = asyncio.ensure_future(main), asyncio.ensure_future(guard)
+    try:
+        await asyncio.wait({main_task, guard_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (main_task, guard_task):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(main_task, guard_task, return_exceptions=True)
+    if guard_task.done() and not guard_task.cancelled() and guard_task.exception() is not None:
+        raise guard_task.exception()  # type: ignore[misc]
+    return main_task.result()
 
 
 def _restore(trainer: Any, policy: Any, checkpoint: Path) -> None:

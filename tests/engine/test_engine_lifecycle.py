@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -11,10 +12,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from rollover.engine.testing import TEST_MAX_MODEL_LEN, alive, engine_family
-from rollover.engine.vllm_engine import EngineStartError, VLLMEngine, descendant_pids, group_members
+from rollover.engine.vllm_engine import EngineError, EngineStartError, VLLMEngine, descendant_pids, group_members
 
 pytestmark = pytest.mark.vllm
 
@@ -60,16 +62,62 @@ def test_broken_model_dir_reports_exit_code_and_log_tail(tmp_path: Path) -> None
     assert not engine.is_alive() and not alive(family)
 
 
-def test_kill_is_detected_and_everything_is_swept(tiny_model_dir: Path, tmp_path: Path) -> None:
-    with small_engine(tiny_model_dir, tmp_path) as engine:
-        family = engine_family(engine)
-        assert len(family) >= 3  # supervisor, API server, engine core (+ worker)
-        server = engine.server_pid
-        assert server is not None and server in family
-        os.kill(server, signal.SIGKILL)
-        assert wait_for(lambda: not engine.is_alive(), 15), "is_alive() did not notice the kill"
-        assert wait_for(lambda: not alive(family), 10), f"left behind: {alive(family)}"
-    engine.stop()  # idempotent after the context manager already stopped it
+KEY = "lifecycle-admin"
+
+
+async def test_kill_mid_request_is_a_json_error_swept_and_the_watchdog_restores_service(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from rollover.engine.watchdog import EngineWatchdog
+    from rollover.gateway.auth import scoped_key
+    from rollover.gateway.server import GatewayThread
+
+    with GatewayThread(admin_key=KEY) as gateway, small_engine(tiny_model_dir, tmp_path) as engine:
+        engine.attach_gateway(gateway.url, KEY)
+        await engine.register_with_gateway(gateway.url, KEY)
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as http:
+            admin = {"x-api-key": KEY}
+            [rollout] = (await http.post("/api/rollouts", json=[{"input": {}}], headers=admin)).json()
+            rid = rollout["rollout_id"]
+            await http.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running"}}, headers=admin)
+            url = f"/proxy/rollout/{rid}/attempt/a1/mode/train/openai/v1/chat/completions"
+            body = {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 8}
+            agent = {"Authorization": f"Bearer {scoped_key(KEY, rid)}"}
+
+            # Freeze the API server so the call is surely in flight when it dies.
+            family = engine_family(engine)
+            assert len(family) >= 3  # supervisor, API server, engine core (+ worker)
+            server = engine.server_pid
+            assert server is not None and server in family
+            os.kill(server, signal.SIGSTOP)
+            in_flight = asyncio.ensure_future(http.post(url, json=body, headers=agent))
+            deadline = time.monotonic() + 30
+            while (await http.get("/proxy/state", headers=admin)).json()["inflight"] < 1:
+                assert time.monotonic() < deadline, "the call never reached the gateway"
+                await asyncio.sleep(0.05)
+            os.kill(server, signal.SIGKILL)
+            reply = await in_flight
+            assert reply.status_code in (502, 503), reply.text
+            error = reply.json()
+            assert error["error"] and error["reason"], error
+            assert (await http.get("/proxy/state", headers=admin)).json()["inflight"] == 0
+
+            # The manager reports the crash with its reason; the watchdog brings it back.
+            assert wait_for(lambda: engine.failure() is not None, 15), "the crash went unnoticed"
+            assert "vLLM exited with code" in (engine.failure() or "")
+            assert wait_for(lambda: not alive(family), 10), f"left behind: {alive(family)}"
+            watchdog = EngineWatchdog(engine, asyncio.Lock(), max_restarts=1)
+            assert await watchdog.check() is True
+            assert engine.is_alive() and engine.failure() is None
+            reply = await http.post(url, json=body, headers=agent)
+            assert reply.status_code == 200, reply.text
+            events = (await http.get(f"/api/rollouts/{rid}/events", headers=admin)).json()
+            assert [e["data"]["policy_version"] for e in events if e["event_type"] == "model_request"] == [0]
+            assert await watchdog.check() is False  # healthy: nothing to do
+
+            # Out of restarts: the next crash is an error that says why.
+            os.kill(engine.server_pid, signal.SIGKILL)  # type: ignore[arg-type]
+            assert wait_for(lambda: engine.failure() is not None, 15)
+            with pytest.raises(EngineError, match="max_engine_restarts=1"):
+                await watchdog.check()
 
 
 def test_stop_during_startup_leaves_no_process(tiny_model_dir: Path, tmp_path: Path) -> None:
