@@ -21,6 +21,7 @@ Usage: python benchmarks/drain_latency.py [--repeats 20] [--delay 0.5] [--inflig
 from __future__ import annotations
 
 import argparse
+import itertools
 import asyncio
 import json
 import os
@@ -92,6 +93,7 @@ class DetectionResult:
 class PauseResult:
     retry_after: float
     pause: float
+    announced: bool  # the pause was announced with its length (expected_seconds)
     calls: int
     remaining_pause: float  # mean pause left when an agent called
     extra_latency: Stats  # over an unpaused call
@@ -232,9 +234,12 @@ async def baseline_latency(base_url: str, key: str, calls: int = 3) -> float:
     return statistics.median([await asyncio.to_thread(agent_call, base_url, key) for _ in range(calls)])
 
 
-async def one_pause(client: GatewayClient, base_url: str, key: str, retry_after: float, pause: float, agents: int) -> list[tuple[float, float]]:
-    """Pause for `pause` s; agent i calls at i/agents of the way in. (pause left, latency) each."""
-    await client.pause(reason="benchmark pause", retry_after_seconds=retry_after)
+async def one_pause(
+    client: GatewayClient, base_url: str, key: str, retry_after: float, pause: float, agents: int, announce: bool
+) -> list[tuple[float, float]]:
+    """Pause for `pause` s (announced as lasting that long, or not); agent i calls at i/agents
+    of the way in. (pause left, latency) each."""
+    await client.pause(reason="benchmark pause", retry_after_seconds=retry_after, expected_seconds=pause if announce else None)
     paused_at = time.perf_counter()
 
     async def agent(offset: float) -> tuple[float, float]:
@@ -250,17 +255,17 @@ async def one_pause(client: GatewayClient, base_url: str, key: str, retry_after:
 
 async def measure_pauses(client: GatewayClient, base_url: str, key: str, baseline: float, settings: Settings) -> list[PauseResult]:
     results = []
-    for retry_after in settings.retry_afters:
-        for pause in settings.pauses:
+    for retry_after, pause, announce in itertools.product(settings.retry_afters, settings.pauses, (False, True)):
             rows: list[tuple[float, float]] = []
             for _ in range(settings.agent_repeats):
-                rows += await one_pause(client, base_url, key, retry_after, pause, settings.agents)
+                rows += await one_pause(client, base_url, key, retry_after, pause, settings.agents, announce)
             extra = [max(latency - baseline, 0.0) for _, latency in rows]
             lost = [max(e - max(remaining, 0.0), 0.0) for e, (remaining, _) in zip(extra, rows)]
             results.append(
                 PauseResult(
                     retry_after=retry_after,
                     pause=pause,
+                    announced=announce,
                     calls=len(rows),
                     remaining_pause=statistics.fmean(max(r, 0.0) for r, _ in rows),
                     extra_latency=Stats.of(extra),
@@ -332,14 +337,21 @@ def format_report(report: Report) -> str:
     lines += [
         "",
         f"agent-side: OpenAI client calling during a pause of P s with Retry-After R s (unpaused call {report.baseline_call_s * 1e3:.0f} ms)",
-        f"{'R s':>5}{'P s':>6}{'calls':>6}{'pause left':>11}{'extra mean':>11}{'p90':>7}{'max':>7}{'lost mean':>10}{'max':>7}",
+        f"{'R s':>5}{'P s':>6}{'announced':>10}{'calls':>6}{'pause left':>11}{'extra mean':>11}{'p90':>7}{'max':>7}{'lost mean':>10}{'max':>7}",
     ]
     for p in report.pauses:
         lines.append(
-            f"{p.retry_after:>5g}{p.pause:>6g}{p.calls:>6}{p.remaining_pause:>11.2f}{p.extra_latency.mean:>11.2f}"
+            f"{p.retry_after:>5g}{p.pause:>6g}{'yes' if p.announced else 'no':>10}{p.calls:>6}{p.remaining_pause:>11.2f}{p.extra_latency.mean:>11.2f}"
             f"{p.extra_latency.p90:>7.2f}{p.extra_latency.max:>7.2f}{p.lost.mean:>10.2f}{p.lost.max:>7.2f}"
         )
-    lines.append("(seconds; lost = extra latency beyond the pause left when the agent called: it resumes on its next retry, not at the resume)")
+    lines.append("(seconds; lost = extra latency beyond the pause left when the agent called: it resumes on its next retry, not at the resume;")
+    lines.append(" announced: the pause was posted with expected_seconds = P, so refused calls also got retry-after-ms with the time left)")
+    by_key = {(p.retry_after, p.pause, p.announced): p for p in report.pauses}
+    for (retry_after, pause, announced), p in by_key.items():
+        plain = by_key.get((retry_after, pause, False))
+        if announced and plain is not None and p.lost.mean > 0:
+            lines.append(f"R {retry_after:g} s, P {pause:g} s: announcing the length cuts the time lost per call x{plain.lost.mean / p.lost.mean:.1f}"
+                         f" ({plain.lost.mean:.2f} -> {p.lost.mean:.2f} s)")
     return "\n".join(lines)
 
 

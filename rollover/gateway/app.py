@@ -282,7 +282,7 @@ def create_app(
         _require_admin(request)
         body = await _parse(request, _PAUSE, empty=PauseRequest())
         retry_after = state.retry_after_seconds if body.retry_after_seconds is None else body.retry_after_seconds
-        return (await state.pause.pause(body.reason, retry_after)).model_dump()
+        return (await state.pause.pause(body.reason, retry_after, body.expected_seconds)).model_dump()
 
     @app.post("/proxy/resume")
     async def resume(request: Request) -> dict[str, Any]:
@@ -315,13 +315,12 @@ def create_app(
             raise HTTPException(404, f"rollout {rollout_id} has no attempt {attempt_id}")
         refused = await state.pause.try_enter()
         if refused is not None:
-            seconds = refused.retry_after_seconds
-            header = str(int(seconds)) if float(seconds).is_integer() else str(seconds)
-            return JSONResponse(
-                {"error": "gateway paused", "reason": refused.reason},
-                status_code=429,
-                headers={"Retry-After": header, "X-Agl-Paused": "true"},
-            )
+            paused, retry_after_ms = refused
+            seconds = paused.retry_after_seconds
+            headers = {"Retry-After": str(int(seconds)) if float(seconds).is_integer() else str(seconds), "X-Agl-Paused": "true"}
+            if retry_after_ms is not None:
+                headers["retry-after-ms"] = str(retry_after_ms)
+            return JSONResponse({"error": "gateway paused", "reason": paused.reason}, status_code=429, headers=headers)
         try:
             status_code, data = await _forward_unless_disconnected(request, state, rollout_id, attempt_id, mode, endpoint, body)
         except UpstreamError as exc:

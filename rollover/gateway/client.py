@@ -145,8 +145,10 @@ class GatewayClient:
     async def clear_models(self) -> None:
         await self._request("DELETE", "/api/models")
 
-    async def pause(self, reason: str | None = None, retry_after_seconds: float = 5) -> ProxyState:
-        body = {"reason": reason, "retry_after_seconds": retry_after_seconds}
+    async def pause(
+        self, reason: str | None = None, retry_after_seconds: float = 5, expected_seconds: float | None = None
+    ) -> ProxyState:
+        body = {"reason": reason, "retry_after_seconds": retry_after_seconds, "expected_seconds": expected_seconds}
         return ProxyState.model_validate(await self._request("POST", "/proxy/pause", json=body, timeout=300))
 
     async def resume(self) -> ProxyState:

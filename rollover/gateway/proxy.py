@@ -16,6 +16,7 @@ from rollover.store.sqlite import RolloutStore
 
 Mode = Literal["train", "val"]
 ENDPOINTS = ("chat/completions", "completions")
+MIN_RETRY_MS = 250  # how often refused agents come back once a pause outlasts its estimate
 
 
 class ProxyPauseState:
@@ -30,6 +31,7 @@ class ProxyPauseState:
         self._changed = asyncio.Condition(self._lock)
         self._paused_since: float | None = None
         self._paused_total = 0.0
+        self._expected_end: float | None = None
 
     def _paused_seconds_total(self) -> float:
         running = time.monotonic() - self._paused_since if self._paused_since is not None else 0.0
@@ -44,14 +46,24 @@ class ProxyPauseState:
             paused_seconds_total=round(self._paused_seconds_total(), 6),
         )
 
-    async def pause(self, reason: str | None, retry_after_seconds: float) -> ProxyState:
+    async def pause(self, reason: str | None, retry_after_seconds: float, expected_seconds: float | None = None) -> ProxyState:
         async with self._lock:
             if not self.paused:
                 self._paused_since = time.monotonic()
             self.paused = True
             self.reason = reason
             self.retry_after_seconds = retry_after_seconds
+            self._expected_end = None if expected_seconds is None else time.monotonic() + expected_seconds
             return self._snapshot()
+
+    def retry_after_ms(self) -> int | None:
+        """The finer hint for a refused call: the time left of the announced pause (at least
+        `MIN_RETRY_MS`), never more than Retry-After; None when no length was announced.
+        A pause that outlasts its estimate hints `MIN_RETRY_MS` until it ends."""
+        if self._expected_end is None:
+            return None
+        left_ms = (self._expected_end - time.monotonic()) * 1000
+        return int(min(max(left_ms, MIN_RETRY_MS), self.retry_after_seconds * 1000))
 
     async def resume(self) -> ProxyState:
         async with self._lock:
@@ -60,6 +72,7 @@ class ProxyPauseState:
                 self._paused_since = None
             self.paused = False
             self.reason = None
+            self._expected_end = None
             return self._snapshot()
 
     async def state(self, wait_drained: float | None = None) -> ProxyState:
@@ -73,11 +86,12 @@ class ProxyPauseState:
                     pass
             return self._snapshot()
 
-    async def try_enter(self) -> ProxyState | None:
-        """Count a new call in flight, or return the state that refuses it while paused."""
+    async def try_enter(self) -> tuple[ProxyState, int | None] | None:
+        """Count a new call in flight, or return the state that refuses it while paused
+        and the `retry_after_ms` hint."""
         async with self._lock:
             if self.paused:
-                return self._snapshot()
+                return self._snapshot(), self.retry_after_ms()
             self.inflight += 1
             return None
 

@@ -152,6 +152,9 @@ class ModelEndpoint(_Wire):
 class PauseRequest(_Wire):
     reason: str | None = Field(None, max_length=1000)
     retry_after_seconds: float | None = Field(None, ge=0, le=3600)  # None: the gateway's default
+    # Beyond the seed: how long the caller expects the pause to last. Refused calls then also
+    # get `retry-after-ms` with the time left, which OpenAI clients prefer to Retry-After.
+    expected_seconds: float | None = Field(None, ge=0, le=3600)
 
 
 class ProxyState(_Wire):

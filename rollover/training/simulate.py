@@ -440,6 +440,7 @@ class SimulatedGateway:
         self.pause_freezes_rollouts = pause_freezes_rollouts
         self.drain_seconds = drain_seconds
         self.consumed: list[ConsumedRollout] = []
+        self.announced_pauses: list[float | None] = []  # the trainer's `expected_seconds`, per pause
         self._paused = False
         self._reason: str | None = None
         self._retry_after = 5.0
@@ -452,7 +453,10 @@ class SimulatedGateway:
         self.backend.frozen = False
         return self._state()
 
-    async def pause(self, reason: str | None = None, retry_after_seconds: float = 5.0) -> ProxyState:
+    async def pause(
+        self, reason: str | None = None, retry_after_seconds: float = 5.0, expected_seconds: float | None = None
+    ) -> ProxyState:
+        self.announced_pauses.append(expected_seconds)
         self._paused = True
         self._reason = reason
         self._retry_after = retry_after_seconds

@@ -89,6 +89,10 @@ class Trainer:
         self.global_step = 0
         self.policy_version = 0
         self.history: list[dict[str, float]] = []
+        self._paused_at: float | None = None
+        # Length of the last pause (pause -> resume): the next pause is announced as lasting
+        # about as long, so refused agents come back when it ends, not Retry-After later.
+        self._last_pause_seconds: float | None = None
 
     # -- the window -----------------------------------------------------------------------
 
@@ -132,6 +136,9 @@ class Trainer:
         for attempt in range(attempts):
             try:
                 await self.client.resume()
+                if self._paused_at is not None:
+                    self._last_pause_seconds = self.clock() - self._paused_at
+                    self._paused_at = None
                 return
             except (GatewayError, httpx.HTTPError) as exc:
                 if attempt == attempts - 1:
@@ -143,10 +150,12 @@ class Trainer:
         """Pause the proxy, record in-flight calls at that moment, wait until none are left."""
         gateway = self.config.gateway
         state = await self.client.pause(
-            reason=f"policy update at step {self.global_step}", retry_after_seconds=gateway.retry_after_seconds
+            reason=f"policy update at step {self.global_step}",
+            retry_after_seconds=gateway.retry_after_seconds,
+            expected_seconds=self._last_pause_seconds,
         )
         inflight_at_pause = state.inflight
-        started = self.clock()
+        started = self._paused_at = self.clock()
         deadline = started + gateway.drain_timeout_seconds
         while state.inflight > 0:
             remaining = deadline - self.clock()
@@ -261,6 +270,7 @@ class Trainer:
         n_prev_carry_over = len(self._carry_over_rollouts)
         rollout_started = self.clock()
         result, inflight, drain = await self._rollout(new_prompts)
+        previous_pause = self._last_pause_seconds  # measured by this step's resume
         rollout_wait = self.clock() - rollout_started - drain
 
         samples, sample_metrics = await self._collect_samples(result.completed_groups)
@@ -284,6 +294,9 @@ class Trainer:
             "timing/rollout_wait_s": rollout_wait,
             "timing/update_s": update_s,
             "timing/weight_sync_s": sync_s,
+            # The pause that ended as this step's rollout began: drain, update, weight sync
+            # and anything else the previous step did while agents were held off.
+            "timing/gateway_pause_s": previous_pause or 0.0,
             # The trainer idles while it waits for complete groups and for the drain.
             "timing/trainer_idle_s": rollout_wait + drain,
             "timing/trainer_idle_fraction": (rollout_wait + drain) / step_s if step_s > 0 else 0.0,

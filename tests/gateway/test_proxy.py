@@ -133,6 +133,7 @@ def test_pause_contract(gateway, admin, registered):
     response = httpx.post(proxy_url(gateway, rid), json={"messages": []}, headers=agent_headers(rid))
     assert response.status_code == 429
     assert response.headers["Retry-After"] == "7" and response.headers["X-Agl-Paused"] == "true"
+    assert "retry-after-ms" not in response.headers  # no length announced: the seed's headers only
     assert response.json() == {"error": "gateway paused", "reason": "weight update"}
     assert not registered.behaviour.requests
     admin.post("/proxy/pause", json={})
@@ -141,6 +142,26 @@ def test_pause_contract(gateway, admin, registered):
     assert admin.post("/proxy/resume").json()["paused"] is False  # idempotent
     assert admin.get("/proxy/state").json()["paused_seconds_total"] > 0
     assert httpx.post(proxy_url(gateway, rid), json={"messages": []}, headers=agent_headers(rid)).status_code == 200
+
+
+def test_a_pause_of_announced_length_hints_the_time_left(gateway, admin, registered):
+    rid = running_rollout(admin)
+
+    def refused_hint() -> tuple[str, int]:
+        response = httpx.post(proxy_url(gateway, rid), json={"messages": []}, headers=agent_headers(rid))
+        assert response.status_code == 429
+        return response.headers["Retry-After"], int(response.headers["retry-after-ms"])
+
+    admin.post("/proxy/pause", json={"reason": "update", "expected_seconds": 1.2})
+    retry_after, left_ms = refused_hint()
+    assert retry_after == "5" and 250 <= left_ms <= 1200  # Retry-After stays the seed's
+    time.sleep(1.3)
+    assert refused_hint() == ("5", 250)  # outlasted its estimate: come back soon
+    admin.post("/proxy/pause", json={"expected_seconds": 60})
+    assert refused_hint() == ("5", 5000)  # never later than Retry-After
+    admin.post("/proxy/resume")
+    assert admin.post("/proxy/pause", json={"expected_seconds": -1}).status_code == 422
+    admin.post("/proxy/resume")
 
 
 def test_inflight_calls_finish_while_paused_and_wait_drained_returns_at_zero(gateway, admin, registered):

@@ -28,6 +28,17 @@ def test_window_is_topped_up_to_async_train_batch_size():
         assert row["training/async/n_completed_rollouts"] == 4 * 2
 
 
+def test_each_pause_is_announced_as_long_as_the_last_one():
+    sim = Simulation(heavy_tail(steps=4), window=8)
+    history = sim.run().history
+    announced = sim.gateway.announced_pauses
+    assert announced[0] is None  # nothing measured yet: plain Retry-After
+    for step in range(1, 4):
+        measured = history[step]["timing/gateway_pause_s"]
+        assert measured >= 0.5  # the pause covers the 0.5 s update
+        assert announced[step] == measured
+
+
 def test_staleness_cap_aborts_and_requeues_old_groups():
     cap = 1
     capped = Simulation(heavy_tail(overrides=[f"agentlightning.async_rollout.max_carry_over_age_steps={cap}"]), window=12)
