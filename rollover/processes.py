@@ -5,9 +5,11 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -42,7 +44,96 @@ def set_process_name(name: str) -> None:
         _LIBC.prctl(_PR_SET_NAME, name.encode()[:15])
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the usual bind-to-0 race applies)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def tail_lines(path: str | Path, n: int = 40, max_bytes: int = 65536) -> str:
+    """The last `n` lines of a log file (what error messages quote), reading at most its
+    last `max_bytes`."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - max_bytes))
+            data = handle.read()
+    except OSError as exc:
+        return f"<log unreadable: {exc}>"
+    return "".join(data.decode("utf-8", errors="replace").splitlines(keepends=True)[-n:])
+
+
+def _process_table() -> list[tuple[int, int, int, bytes]]:
+    """(pid, ppid, pgid, state) of every process, from /proc (empty where there is none)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    table = []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        # The fields after the command name, which is parenthesised and may hold spaces.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        table.append((int(entry), int(fields[1]), int(fields[2]), fields[0]))
+    return table
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of `pid`."""
+    return sorted(child for child, parent, _, _ in _process_table() if parent == pid)
+
+
+def descendant_pids(pid: int) -> set[int]:
+    """All live descendants of `pid`."""
+    children: dict[int, list[int]] = {}
+    for child, parent, _, _ in _process_table():
+        children.setdefault(parent, []).append(child)
+    out: set[int] = set()
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in out:
+                out.add(child)
+                stack.append(child)
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+        return stat[stat.rfind(b")") + 2 :].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def group_members(pgid: int) -> set[int]:
+    """Live (non-zombie) processes of process group `pgid`. Orphaned zombies linger until
+    init reaps them (in a container whose PID 1 does not reap, forever); they hold nothing."""
+    return {pid for pid, _, group, state in _process_table() if group == pgid and state != b"Z"}
+
+
 def group_alive(pgid: int) -> bool:
+    """True while a live process is left in process group `pgid`."""
+    if os.path.isdir("/proc"):
+        return bool(group_members(pgid))
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -52,10 +143,11 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def signal_group(pgid: int, sig: int) -> None:
+    """`killpg`, quiet when the group is already gone."""
     try:
         os.killpg(pgid, sig)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
 
 
@@ -74,9 +166,9 @@ def kill_group(process: subprocess.Popen, grace: float = 5.0) -> None:
     """SIGTERM the child's process group (it must have been started with
     `start_new_session=True`), SIGKILL whatever is left after `grace` seconds, and reap."""
     pgid = process.pid
-    _signal_group(pgid, signal.SIGTERM)
+    signal_group(pgid, signal.SIGTERM)
     if not _wait_group_gone(process, pgid, grace):
-        _signal_group(pgid, signal.SIGKILL)
+        signal_group(pgid, signal.SIGKILL)
         _wait_group_gone(process, pgid, 5.0)
     try:
         process.wait(timeout=5)

@@ -34,7 +34,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from rollover.processes import exit_if_orphaned, set_process_name
+from rollover.processes import exit_if_orphaned, set_process_name, signal_group
 
 # What every agent imports; the server imports it once so that its children need not.
 DEFAULT_PRELOAD = ("openai", "rollover.agent")
@@ -133,10 +133,7 @@ class ForkServer:
 
     def kill_children(self) -> None:
         for pid in list(self.children):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            signal_group(pid, signal.SIGKILL)
         for pid in list(self.children):
             try:
                 os.waitpid(pid, 0)

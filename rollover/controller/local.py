@@ -22,51 +22,11 @@ from rollover.config import LocalRunnerConfig
 from rollover.controller.agent_main import PARENT_PID_ENV, AgentClassError, load_agent_class
 from rollover.controller.controller import ControllerConfigError, LaunchError, LaunchSpec, Outcome
 from rollover.controller.forkserver import ForkServerClient, ForkServerError
-from rollover.processes import group_alive
+from rollover.processes import group_alive, group_members, signal_group, tail_lines
 
 log = logging.getLogger("rollover.controller.local")
 
 LOG_TAIL_LINES = 20
-_TAIL_BYTES = 16384
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def live_group_members(pgid: int) -> list[int]:
-    """Processes of group `pgid` that are not zombies. Orphaned zombies linger until init
-    reaps them, which can take a second; they hold no resources worth waiting for."""
-    if not os.path.isdir("/proc"):
-        return [pgid] if group_alive(pgid) else []
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                fields = handle.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
-            members.append(int(entry))
-    return members
-
-
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            handle.seek(max(0, size - _TAIL_BYTES))
-            data = handle.read()
-    except OSError:
-        return ""
-    text = data.decode("utf-8", errors="replace")
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def describe_exit(returncode: int) -> str:
@@ -100,7 +60,7 @@ class LocalExecution:
         if returncode == 0:
             return Outcome(True)
         reason = "the fork server that started it died" if returncode is None else describe_exit(returncode)
-        tail = log_tail(self.log_path)
+        tail = tail_lines(self.log_path, LOG_TAIL_LINES).rstrip("\n")
         if tail:
             return Outcome(False, f"{reason}: last lines of {self.log_path}:\n{tail}")
         return Outcome(False, f"{reason} (log {self.log_path} is empty)")
@@ -108,7 +68,7 @@ class LocalExecution:
     async def kill(self) -> None:
         async with self._kill_lock:
             if not self.exited.done():
-                _signal_group(self.pgid, signal.SIGTERM)
+                signal_group(self.pgid, signal.SIGTERM)
                 try:
                     await asyncio.wait_for(asyncio.shield(self.exited), self.kill_grace_seconds)
                 except asyncio.TimeoutError:
@@ -118,10 +78,10 @@ class LocalExecution:
     async def _clear_group(self) -> None:
         if not group_alive(self.pgid):
             return
-        _signal_group(self.pgid, signal.SIGKILL)
+        signal_group(self.pgid, signal.SIGKILL)
         await asyncio.shield(self.exited)
         deadline = time.monotonic() + 5.0
-        while live_group_members(self.pgid) and time.monotonic() < deadline:
+        while group_members(self.pgid) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
 

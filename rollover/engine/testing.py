@@ -16,7 +16,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from rollover.engine.vllm_engine import VLLMEngine, descendant_pids, pid_alive
+from rollover.engine.vllm_engine import VLLMEngine
+from rollover.processes import descendant_pids, pid_alive
 
 TEST_MAX_MODEL_LEN = 512
 

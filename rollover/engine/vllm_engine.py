@@ -13,19 +13,19 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
 import httpx
+
+from rollover.processes import child_pids, descendant_pids, free_port, group_alive, group_members, pid_alive, tail_lines
 
 log = logging.getLogger(__name__)
 
@@ -47,21 +47,6 @@ class EngineStartError(EngineError):
 
 class GatewayRegistrationError(EngineError):
     """`POST /api/models` on the gateway failed (after retries)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the usual bind-to-0 race applies)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def tail_lines(path: str | Path, n: int = 40) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=n))
-    except OSError as e:
-        return f"<log unreadable: {e}>"
 
 
 # The process-group leader we spawn: a few lines of Python that run vLLM's server as
@@ -122,92 +107,6 @@ for pid in group_members():
 code = child.wait()
 sys.exit(code if code >= 0 else 128 - code)
 """
-
-
-def _proc_children() -> dict[int, list[int]]:
-    """ppid -> child pids, from /proc (empty where there is no /proc)."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return children
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Field 4 (ppid) follows the parenthesised command name, which may hold spaces.
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    return children
-
-
-def descendant_pids(pid: int) -> set[int]:
-    """All live descendants of `pid` (Linux /proc scan; empty elsewhere)."""
-    tree = _proc_children()
-    out: set[int] = set()
-    stack = [pid]
-    while stack:
-        for child in tree.get(stack.pop(), []):
-            if child not in out:
-                out.add(child)
-                stack.append(child)
-    return out
-
-
-def pid_alive(pid: int) -> bool:
-    """True if `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rfind(b")") + 2 :].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def group_members(pgid: int) -> set[int]:
-    """Live (non-zombie) processes in process group `pgid`, from /proc."""
-    out: set[int] = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != b"Z":
-            out.add(int(entry))
-    return out
-
-
-def group_alive(pgid: int) -> bool:
-    """True while a live process is left in process group `pgid`.
-
-    Zombies do not count: in a container whose PID 1 does not reap, they never go away.
-    """
-    if os.path.isdir("/proc"):
-        return bool(group_members(pgid))
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class VLLMEngine:
@@ -311,8 +210,8 @@ class VLLMEngine:
         """The vLLM API server's pid (the supervisor's child), once it exists."""
         if self._proc is None:
             return None
-        children = _proc_children().get(self._proc.pid, [])
-        return min(children) if children else None
+        children = child_pids(self._proc.pid)
+        return children[0] if children else None
 
     # ---------------------------------------------------------------- lifecycle
 

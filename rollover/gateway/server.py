@@ -15,14 +15,8 @@ import uvicorn
 
 from rollover.gateway.app import create_app
 from rollover.gateway.proxy import ProxySettings
-from rollover.processes import die_with_parent
+from rollover.processes import die_with_parent, free_port
 from rollover.store.sqlite import RolloutStore
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def build_server(

@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Iterator
 import pytest
 
 from rollover.config import AgentLightningConfig, validate_config
-from rollover.controller.local import live_group_members
+from rollover.processes import group_members
 from rollover.gateway.client import GatewayClient
 from rollover.gateway.server import GatewayThread
 from rollover.store.models import Rollout
@@ -80,7 +80,7 @@ async def wait_gone(pids: list[int], timeout: float) -> float:
 
 
 def assert_group_gone(pgid: int) -> None:
-    assert live_group_members(pgid) == [], f"process group {pgid} still has members"
+    assert group_members(pgid) == set(), f"process group {pgid} still has members"
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:

@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from rollover.engine.testing import TEST_MAX_MODEL_LEN, alive, engine_family
-from rollover.engine.vllm_engine import EngineError, EngineStartError, VLLMEngine, descendant_pids, group_members
+from rollover.engine.vllm_engine import EngineError, EngineStartError, VLLMEngine
+from rollover.processes import descendant_pids, group_members
 
 pytestmark = pytest.mark.vllm
 
@@ -140,7 +141,8 @@ def test_parent_death_takes_vllm_down(tiny_model_dir: Path, tmp_path: Path) -> N
     """A trainer killed with SIGKILL must not leave vLLM running (and holding memory)."""
     script = textwrap.dedent(f"""
         import sys, time
-        from rollover.engine.vllm_engine import VLLMEngine, descendant_pids
+        from rollover.engine.vllm_engine import VLLMEngine
+        from rollover.processes import descendant_pids
         e = VLLMEngine({str(tiny_model_dir)!r}, log_path={str(tmp_path / 'child.log')!r},
                        max_model_len=256, enforce_eager=True)
         e.start()
