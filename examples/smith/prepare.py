@@ -7,9 +7,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from examples.gsm8k.prepare import cached_smollm2
 from examples.smith.task import make_tasks
 from rollover.config import RolloverConfig
+from rollover.modelzoo.smollm2 import cached_smollm2
 from rollover.training.data import write_tasks
 
 MAX_TASKS, VAL_SIZE, SEED = 1000, 16, 0  # the templates yield ~80 distinct bugs

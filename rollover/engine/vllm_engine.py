@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import httpx
 
-from rollover.processes import child_pids, descendant_pids, free_port, group_alive, group_members, pid_alive, tail_lines
+from rollover.processes import child_pids, descendant_pids, free_port, group_alive, pid_alive, tail_lines
 
 log = logging.getLogger(__name__)
 

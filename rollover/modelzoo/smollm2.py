@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Literal
 
@@ -115,4 +117,17 @@ def convert_smollm2(
     (out / "rollover_model.json").write_text(
         json.dumps({"kind": "smollm2", "source": gguf.name, "dtype": dtype}, indent=2) + "\n"
     )
+    return out
+
+
+def cached_smollm2(out_dir: str | Path) -> Path:
+    """`convert_smollm2(out_dir)` once (~30 s); later calls reuse the folder. The folder is
+    complete or absent: a conversion cut short never leaves a half-written model behind."""
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    staging = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    convert_smollm2(staging)
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
     return out

@@ -174,7 +174,7 @@ async def _run(config: RolloverConfig, shared_engine: Any = None) -> int:
             engine.attach_gateway(gateway.url, admin_key)  # not the previous run's gateway
             await engine.load_weights(model_path, version=0)
         client = GatewayClient(gateway.url, admin_key)
-        async with Controller(config, client, log_dir=run_dir / "agent_logs") as controller:
+        async with Controller(config, client, log_dir=run_dir / "agent_logs"):
             engine_lock = asyncio.Lock()
             trainer = Trainer(
                 config=config,

@@ -10,19 +10,10 @@ import pytest
 from examples.gsm8k import prepare as gsm_prepare
 from examples.gsm8k.task import answers_match, extract_answer, make_splits, parse_answer, parse_number, score
 from rollover.config import load_config
-from rollover.metrics import read_jsonl
 from rollover.training.data import read_tasks, write_tasks
-from rollover.training.run import run_training
+from tests.runs import train_briefly
 
 GSM_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "gsm8k" / "config.yaml"
-ASYNC_METRICS = (
-    "training/async/n_prev_carry_over_rollouts",
-    "training/async/n_completed_rollouts",
-    "training/async/n_new_carry_over_rollouts",
-    "training/async/new_carry_over_age_max_steps",
-    "training/async/proxy_inflight_at_pause",
-    "training/async/proxy_drain_seconds",
-)
 
 
 # -- the verifier -----------------------------------------------------------------------------
@@ -160,17 +151,8 @@ def test_prepare_writes_cached_data(tmp_path, monkeypatch):
 # -- 2 training steps through the real system -------------------------------------------------
 
 
-@pytest.fixture
-def shared_engine(vllm_engine):
-    """The session's engine, detached from the gateway of an earlier run in this session:
-    `run_training` reloads the weights (and re-registers with the attached gateway, long
-    gone) before it attaches its own gateway."""
-    vllm_engine.gateway_url = None
-    return vllm_engine
-
-
 @pytest.mark.vllm
-def test_gsm8k_training_smoke(tmp_path, calc_model, shared_engine, monkeypatch):
+def test_gsm8k_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch):
     """The tiny calc model knows nothing of GSM: rewards are ~0; the point is that the whole
     loop runs, every agent reports a reward, and the async metrics are written."""
     monkeypatch.setenv("ROLLOVER_GSM_MAX_TOKENS", "16")
@@ -178,27 +160,13 @@ def test_gsm8k_training_smoke(tmp_path, calc_model, shared_engine, monkeypatch):
     short = [t for t in train if len(t["question"]) < 260]  # fits the test engine's 512 tokens
     write_tasks(tmp_path / "train.jsonl", short)
     write_tasks(tmp_path / "val.jsonl", [t for t in val if len(t["question"]) < 260][:2] or short[:2])
-    config = load_config(
-        GSM_CONFIG,
-        [
-            f"trainer.default_local_dir={tmp_path}",
-            "trainer.experiment_name=gsm8k-smoke",
-            f"actor_rollout_ref.model.path={calc_model}",
-            "trainer.total_training_steps=2",
-            f"data.train_files={tmp_path / 'train.jsonl'}",
-            f"data.val_files={tmp_path / 'val.jsonl'}",
-            "data.val_batch_size=2",
-        ],
+    train_rows, val_rows = train_briefly(
+        GSM_CONFIG, tmp_path, calc_model, "gsm8k-smoke", 2,
+        f"data.train_files={tmp_path / 'train.jsonl'}", f"data.val_files={tmp_path / 'val.jsonl'}", "data.val_batch_size=2",
+        engine=vllm_engine,
     )
-    assert run_training(config, engine=shared_engine) == 0
-    rows = read_jsonl(tmp_path / "gsm8k-smoke" / "metrics.jsonl")
-    train_rows = [r for r in rows if "training/async/n_completed_rollouts" in r]
-    assert len(train_rows) == 2
     for row in train_rows:
-        for key in ASYNC_METRICS:
-            assert key in row, key
         assert row["training/async/n_completed_rollouts"] == 2 * 4
         assert row["rollouts/n_failed"] == 0 and row["rollouts/n_missing_reward"] == 0
         assert 0.0 <= row["reward/mean"] <= 1.0
-    val_rows = [r for r in rows if "val/reward_mean" in r]
     assert val_rows and all(r["val/n_failed"] == 0 for r in val_rows)

@@ -20,25 +20,15 @@ from fastapi import FastAPI, Request
 from examples.smith.agent import ProtocolError, ToolCall, ToolError, Workspace, parse_tool_call, reward
 from examples.smith.sandbox import Limits, TestReport, run_tests
 from examples.smith.task import TEMPLATES, apply_fix, check_repo, make_tasks, write_repo
-from rollover.config import load_config
 from rollover.controller.k8s import JobTemplate, build_job
 from rollover.gateway.auth import scoped_key
 from rollover.gateway.server import GatewayThread, free_port, wait_healthy
-from rollover.metrics import read_jsonl
 from rollover.training.data import write_tasks
-from rollover.training.run import run_training
+from tests.runs import train_briefly
 
 ROOT = Path(__file__).resolve().parents[2]
 SMITH_CONFIG = ROOT / "examples" / "smith" / "config.yaml"
 ADMIN_KEY = "smith-admin"
-ASYNC_METRICS = (
-    "training/async/n_prev_carry_over_rollouts",
-    "training/async/n_completed_rollouts",
-    "training/async/n_new_carry_over_rollouts",
-    "training/async/new_carry_over_age_max_steps",
-    "training/async/proxy_inflight_at_pause",
-    "training/async/proxy_drain_seconds",
-)
 
 
 @pytest.fixture(scope="module")
@@ -344,45 +334,22 @@ def test_k8s_job_template_renders(tasks):
 # -- 2 training steps through the real system ----------------------------------------------------
 
 
-@pytest.fixture
-def shared_engine(vllm_engine):
-    """The session's engine, detached from the gateway of an earlier run in this session:
-    `run_training` reloads the weights (and re-registers with the attached gateway, long
-    gone) before it attaches its own gateway."""
-    vllm_engine.gateway_url = None
-    return vllm_engine
-
-
 @pytest.mark.vllm
-def test_smith_training_smoke(tmp_path, calc_model, shared_engine, monkeypatch, tasks):
+def test_smith_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch, tasks):
     """The tiny calc model cannot fix bugs (rewards ~0); the whole loop must run, with every
     agent reporting a reward and the async metrics written."""
     monkeypatch.setenv("ROLLOVER_SMITH_MAX_TOKENS", "16")
     monkeypatch.setenv("ROLLOVER_SMITH_MAX_STEPS", "2")
     write_tasks(tmp_path / "train.jsonl", tasks[:4])
     write_tasks(tmp_path / "val.jsonl", tasks[4:])
-    config = load_config(
-        SMITH_CONFIG,
-        [
-            f"trainer.default_local_dir={tmp_path}",
-            "trainer.experiment_name=smith-smoke",
-            f"actor_rollout_ref.model.path={calc_model}",
-            "trainer.total_training_steps=2",
-            f"data.train_files={tmp_path / 'train.jsonl'}",
-            f"data.val_files={tmp_path / 'val.jsonl'}",
-            "data.val_batch_size=2",
-        ],
+    train_rows, val_rows = train_briefly(
+        SMITH_CONFIG, tmp_path, calc_model, "smith-smoke", 2,
+        f"data.train_files={tmp_path / 'train.jsonl'}", f"data.val_files={tmp_path / 'val.jsonl'}", "data.val_batch_size=2",
+        engine=vllm_engine,
     )
-    assert run_training(config, engine=shared_engine) == 0
-    rows = read_jsonl(tmp_path / "smith-smoke" / "metrics.jsonl")
-    train_rows = [r for r in rows if "training/async/n_completed_rollouts" in r]
-    assert len(train_rows) == 2
     for row in train_rows:
-        for key in ASYNC_METRICS:
-            assert key in row, key
         assert row["training/async/n_completed_rollouts"] == 2 * 4
         assert row["rollouts/n_failed"] == 0 and row["rollouts/n_missing_reward"] == 0
-    val_rows = [r for r in rows if "val/reward_mean" in r]
     assert val_rows and all(r["val/n_failed"] == 0 for r in val_rows)
     logs = list((tmp_path / "smith-smoke" / "agent_logs").glob("*.log"))
     assert logs and any("reward" in log.read_text() for log in logs)

@@ -31,7 +31,6 @@ def test_64_agents_through_pause_and_resume(tmp_path):
                 rollout_ids = await make_running_rollouts(client, 64)
                 refusals: list[httpx.Response] = []
                 ok_counts = {rid: 0 for rid in rollout_ids}
-                paused_event = asyncio.Event()
 
                 async def agent(rid: str) -> None:
                     headers = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid)}"}

@@ -1,6 +1,5 @@
 """The recording proxy against a stand-in upstream, and the pause/drain contract."""
 
-import asyncio
 import socket
 import threading
 import time
@@ -9,8 +8,7 @@ import httpx
 import pytest
 
 from rollover.gateway.auth import scoped_key
-from rollover.gateway.server import GatewayThread
-from rollover.gateway.stub_upstream import StubBehaviour, StubUpstream
+from rollover.gateway.stub_upstream import StubUpstream
 from tests.conftest import ADMIN_KEY
 
 

@@ -1,9 +1,6 @@
 import json
-import subprocess
-import sys
 
 import matplotlib.image as mpimg
-import pytest
 
 from rollover.cli.main import main
 from rollover.metrics import MetricsLogger, read_jsonl, summarize

@@ -6,33 +6,12 @@ from pathlib import Path
 import pytest
 
 from rollover.config import load_config
-from rollover.metrics import read_jsonl
 from rollover.training.run import run_training
+from tests.runs import train_briefly
 
 pytestmark = pytest.mark.vllm
 
 CALC_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "calc" / "config.yaml"
-ASYNC_METRICS = (
-    "training/async/n_prev_carry_over_rollouts",
-    "training/async/n_completed_rollouts",
-    "training/async/n_new_carry_over_rollouts",
-    "training/async/new_carry_over_age_max_steps",
-    "training/async/proxy_inflight_at_pause",
-    "training/async/proxy_drain_seconds",
-)
-
-
-def calc_config(tmp_path, calc_model, name, steps, *extra):
-    return load_config(
-        CALC_CONFIG,
-        [
-            f"trainer.default_local_dir={tmp_path}",
-            f"trainer.experiment_name={name}",
-            f"actor_rollout_ref.model.path={calc_model}",
-            f"trainer.total_training_steps={steps}",
-            *extra,
-        ],
-    )
 
 
 @pytest.fixture
@@ -41,25 +20,15 @@ def long_tailed_tools(monkeypatch):
     monkeypatch.setenv("ROLLOVER_CALC_LATENCY_SIGMA", "1.0")
 
 
-def split_rows(rows):
-    train = [r for r in rows if "training/async/n_completed_rollouts" in r]
-    val = [r for r in rows if "val/reward_mean" in r]
-    return train, val
-
-
 def test_async_training_end_to_end(tmp_path, calc_model, vllm_engine, long_tailed_tools):
     steps = 10
-    config = calc_config(
-        tmp_path, calc_model, "async", steps,
+    train, val = train_briefly(
+        CALC_CONFIG, tmp_path, calc_model, "async", steps,
         "agentlightning.async_rollout.enabled=true",
         "agentlightning.async_rollout.async_train_batch_size=8",
+        engine=vllm_engine,
     )
-    assert run_training(config, engine=vllm_engine) == 0
-    train, val = split_rows(read_jsonl(tmp_path / "async" / "metrics.jsonl"))
-    assert len(train) == steps
     for row in train:
-        for key in ASYNC_METRICS:
-            assert key in row, key
         assert row["training/async/n_completed_rollouts"] == 4 * 4
         assert row["training/async/proxy_drain_seconds"] >= 0
         assert row["training/async/proxy_inflight_at_pause"] >= 0
@@ -81,10 +50,8 @@ def test_async_training_end_to_end(tmp_path, calc_model, vllm_engine, long_taile
 
 def test_sync_training_end_to_end(tmp_path, calc_model, vllm_engine, long_tailed_tools):
     steps = 10
-    config = calc_config(tmp_path, calc_model, "sync", steps)
-    assert run_training(config, engine=vllm_engine) == 0
-    train, val = split_rows(read_jsonl(tmp_path / "sync" / "metrics.jsonl"))
-    assert len(train) == steps and len(val) == 2
+    train, val = train_briefly(CALC_CONFIG, tmp_path, calc_model, "sync", steps, engine=vllm_engine)
+    assert len(val) == 2
     for row in train:
         assert row["training/async/n_prev_carry_over_rollouts"] == 0
         assert row["training/async/n_new_carry_over_rollouts"] == 0
@@ -97,10 +64,9 @@ def test_sync_training_end_to_end(tmp_path, calc_model, vllm_engine, long_tailed
 
 
 def test_async_window_not_larger_than_batch_is_rejected(tmp_path, calc_model):
-    config = calc_config(
-        tmp_path, calc_model, "bad", 1,
-        "agentlightning.async_rollout.enabled=true",
-        "agentlightning.async_rollout.async_train_batch_size=4",
-    )
+    config = load_config(CALC_CONFIG, [
+        f"trainer.default_local_dir={tmp_path}", f"actor_rollout_ref.model.path={calc_model}",
+        "agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size=4",
+    ])
     with pytest.raises(ValueError, match="async_train_batch_size=4.*train_batch_size=4"):
         run_training(config)

@@ -1,7 +1,6 @@
 """kill -9 of `rollover train` mid-run, then `resume=true` finishes the same run."""
 
 import json
-import os
 import signal
 import sqlite3
 import subprocess

@@ -14,6 +14,7 @@ from rollover.cli.main import main as rollover_main
 from rollover.store.models import RolloutState
 from rollover.store.sqlite import _SCHEMA
 from rollover.training.manager import AsyncRolloutManager
+from tests.runs import SEED_ASYNC_METRICS, SEED_TIMING_METRICS
 from rollover.training.simulate import (
     Constant,
     Empirical,
@@ -81,15 +82,7 @@ def test_runs_through_the_trainer_and_never_consumes_an_incomplete_group(monkeyp
     assert set(Counter(c.data_id for c in consumed).values()) == {4}  # whole groups, each once
 
     step = outcome.history[-1]
-    for name in (
-        "training/async/n_prev_carry_over_rollouts",
-        "training/async/n_completed_rollouts",
-        "training/async/n_new_carry_over_rollouts",
-        "training/async/new_carry_over_age_max_steps",
-        "training/async/proxy_inflight_at_pause",
-        "training/async/proxy_drain_seconds",
-        "timing/rollout_run_duration_s/p90",
-    ):
+    for name in (*SEED_ASYNC_METRICS, *SEED_TIMING_METRICS):
         assert name in step
     assert step["training/async/n_completed_rollouts"] == 16
 
