@@ -30,6 +30,7 @@ import os
 import selectors
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,10 @@ def _child(request: dict[str, Any], server_pid: int) -> int:
 
     try:
         run_agent(request["agent_class"])
+        # As a fresh interpreter would before exiting: wait for the agent's non-daemon threads.
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
         return 0
     except SystemExit as exc:
         code = exc.code

@@ -92,3 +92,16 @@ class EnvAgent:
 
 class NoRun:
     pass
+
+
+class ThreadedAgent:
+    """Reports its reward from a non-daemon thread after run() has returned."""
+
+    def run(self) -> None:
+        import threading
+
+        def late() -> None:
+            time.sleep(0.3)
+            post_event("reward", {"value": 0.25})
+
+        threading.Thread(target=late).start()

@@ -73,6 +73,14 @@ async def test_success_reports_reward_sync_and_async_agents(client: GatewayClien
     assert (tmp_path / "logs" / f"{sync_id}.a1.log").exists()
 
 
+async def test_non_daemon_threads_finish_before_the_agent_exits(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
+    async with controller(client, tmp_path, "ThreadedAgent"):
+        rollout_id = await enqueue(client, "thread")
+        done = await wait_for_rollout(client, rollout_id)
+    assert done.state == RolloutState.SUCCEEDED, done.status
+    assert (await client.triplets(rollout_id)).reward == 0.25
+
+
 async def test_nonzero_exit_fails_with_exit_code_and_log_tail(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
     async with controller(client, tmp_path, "FailingAgent"):
         rollout_id = await enqueue(client, "exit")
