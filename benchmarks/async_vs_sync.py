@@ -92,10 +92,10 @@ class ModeResult:
     load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)  # os.getloadavg() around the run
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
-    def speedup_over(self, sync: "ModeResult") -> float:
+    def speedup_over(self, sync: ModeResult) -> float:
         return sync.train_s / self.train_s if self.train_s > 0 else 0.0
 
-    def wall_speedup_over(self, sync: "ModeResult") -> float:
+    def wall_speedup_over(self, sync: ModeResult) -> float:
         return sync.wall_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
@@ -179,7 +179,9 @@ def write_data(out_dir: Path) -> tuple[Path, Path]:
     return train, val
 
 
-def mode_config(settings: Settings, name: str, window: int | None, model: Path, data: tuple[Path, Path]) -> RolloverConfig:
+def mode_config(
+    settings: Settings, name: str, window: int | None, model: Path, data: tuple[Path, Path]
+) -> RolloverConfig:
     overrides = [
         f"trainer.default_local_dir={settings.out_dir}",
         f"trainer.experiment_name={name}",
@@ -314,10 +316,13 @@ def run_benchmark(settings: Settings, multipliers: Sequence[float] = (2.0,), eng
             engine.stop()
     durations = load_durations(sync.run_dir).durations
     update_s = sync.busy_s_mean  # what each step spends not rolling out, rollouts frozen meanwhile
-    ideal = ideal_speedup(list(durations), settings.batch, settings.n, update_s, capacity=settings.agents, seed=settings.seed)
+    ideal = ideal_speedup(
+        list(durations), settings.batch, settings.n, update_s, capacity=settings.agents, seed=settings.seed
+    )
     ordered = sorted(durations)
     return Report(
-        settings={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()} | {"agents": settings.agents},
+        settings={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()}
+        | {"agents": settings.agents},
         sync=sync,
         asyncs=asyncs,
         ideal_speedup=ideal,
@@ -357,7 +362,9 @@ def format_report(report: Report) -> str:
     for result, speedup in rows:
         label = "sync" if result.mode == "sync" else f"async {result.window / report.sync.window:g}x"
         speed = f"{speedup:>8.2f}x" if speedup is not None else f"{'':>9}"
-        fraction = f"{speedup / report.ideal_speedup:>9.0%}" if speedup is not None and report.ideal_speedup else f"{'':>9}"
+        fraction = (
+            f"{speedup / report.ideal_speedup:>9.0%}" if speedup is not None and report.ideal_speedup else f"{'':>9}"
+        )
         lines.append(
             f"{label:<11}{result.window:>7}{result.train_s:>9.1f}{result.wall_s:>8.1f}{speed}{fraction}"
             f"{result.idle_fraction_mean:>6.0%}{result.carry_over_age_mean:>9.2f}{result.carry_over_age_max:>8.0f}"
@@ -388,17 +395,23 @@ def _positive_float(text: str) -> float:
 def parser(add_help: bool = True) -> argparse.ArgumentParser:
     d = Settings()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help)
-    p.add_argument("--median", type=_positive_float, default=d.median, help=f"tool latency median seconds (default {d.median:g})")
+    p.add_argument(
+        "--median", type=_positive_float, default=d.median, help=f"tool latency median seconds (default {d.median:g})"
+    )
     p.add_argument("--sigma", type=float, default=d.sigma, help=f"tool latency lognormal sigma (default {d.sigma:g})")
     p.add_argument("--batch", type=int, default=d.batch, help=f"data.train_batch_size (default {d.batch})")
     p.add_argument("--n", type=int, default=d.n, help=f"rollouts per group (default {d.n})")
     p.add_argument("--updates", type=int, default=d.updates, help=f"updates per mode (default {d.updates})")
     p.add_argument("--capacity", type=int, default=None, help="agent processes at once (default batch*n)")
-    p.add_argument("--retry-after", type=float, default=None, help="gateway.retry_after_seconds (default: the config's)")
+    p.add_argument(
+        "--retry-after", type=float, default=None, help="gateway.retry_after_seconds (default: the config's)"
+    )
     p.add_argument("--window", type=float, default=2.0, help="async window as a multiple of the batch (default 2)")
     p.add_argument("--sweep", action="store_true", help=f"async windows {', '.join(f'{m:g}x' for m in SWEEP_WINDOWS)}")
     p.add_argument("--model", type=Path, default=None, help="model folder (default: the calc example's tiny model)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"run folders (default {DEFAULT_OUT.relative_to(ROOT)})")
+    p.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"run folders (default {DEFAULT_OUT.relative_to(ROOT)})"
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -406,8 +419,16 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(
-        median=args.median, sigma=args.sigma, batch=args.batch, n=args.n, updates=args.updates,
-        capacity=args.capacity, retry_after=args.retry_after, out_dir=args.out.resolve(), model=args.model, seed=args.seed,
+        median=args.median,
+        sigma=args.sigma,
+        batch=args.batch,
+        n=args.n,
+        updates=args.updates,
+        capacity=args.capacity,
+        retry_after=args.retry_after,
+        out_dir=args.out.resolve(),
+        model=args.model,
+        seed=args.seed,
     )
 
 

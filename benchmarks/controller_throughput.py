@@ -30,7 +30,9 @@ class SdkAgent:
         from rollover.agent import AgentContext
 
         ctx = AgentContext.from_env()
-        ctx.openai().chat.completions.create(model="policy", messages=[{"role": "user", "content": ctx.rollout_id}], max_tokens=1)
+        ctx.openai().chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": ctx.rollout_id}], max_tokens=1
+        )
         ctx.report_reward(1.0)
 
 
@@ -46,7 +48,9 @@ class BenchAgent:
         )
         urllib.request.urlopen(request, timeout=60).read()
         reward = {"event_type": "reward", "data": {"value": 1.0}}
-        urllib.request.urlopen(urllib.request.Request(os.environ["AGL_EVENT_URL"], json.dumps(reward).encode(), headers), timeout=60).read()
+        urllib.request.urlopen(
+            urllib.request.Request(os.environ["AGL_EVENT_URL"], json.dumps(reward).encode(), headers), timeout=60
+        ).read()
 
 
 def main() -> None:
@@ -85,18 +89,32 @@ def main() -> None:
     async def chat(request: Request) -> JSONResponse:
         body = await request.json()
         arrivals.setdefault(body["messages"][0]["content"], time.time())
-        return JSONResponse({
-            "id": "bench", "object": "chat.completion", "created": 0, "model": body.get("model"),
-            "prompt_token_ids": [1, 2, 3],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop",
-                         "token_ids": [4], "logprobs": {"content": [{"token": "ok", "logprob": -0.1}]}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-        })
+        return JSONResponse(
+            {
+                "id": "bench",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body.get("model"),
+                "prompt_token_ids": [1, 2, 3],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "ok"},
+                        "finish_reason": "stop",
+                        "token_ids": [4],
+                        "logprobs": {"content": [{"token": "ok", "logprob": -0.1}]},
+                    }
+                ],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+            }
+        )
 
     upstream = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
 
     upstream_port = free_port()
-    server = uvicorn.Server(uvicorn.Config(upstream, host="127.0.0.1", port=upstream_port, log_level="warning", access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(upstream, host="127.0.0.1", port=upstream_port, log_level="warning", access_log=False)
+    )
     threading.Thread(target=server.run, daemon=True).start()
     give_up = time.monotonic() + 10
     while not server.started and time.monotonic() < give_up:
@@ -111,12 +129,18 @@ def main() -> None:
         return statistics.median(samples)
 
     async def bench(gateway_url: str, key: str, log_dir: str, start_method: str) -> dict[str, float]:
-        config = validate_config({
-            "agentlightning": {
-                "local": {"agent_class": agent_class, "max_concurrency": args.concurrency, "start_method": start_method},
-                "rollout_timeout_seconds": 120,
+        config = validate_config(
+            {
+                "agentlightning": {
+                    "local": {
+                        "agent_class": agent_class,
+                        "max_concurrency": args.concurrency,
+                        "start_method": start_method,
+                    },
+                    "rollout_timeout_seconds": 120,
+                }
             }
-        })
+        )
         arrivals.clear()
         async with GatewayClient(gateway_url, key) as client:
             await client.register_models([{"model": "policy", "endpoint": f"http://127.0.0.1:{upstream_port}/v1"}])
@@ -131,30 +155,44 @@ def main() -> None:
                     await asyncio.sleep(0.05)
                 elapsed = time.perf_counter() - started
         failed = [r for r in rollouts if r.state.value != "succeeded"]
-        overhead_ms = sorted((arrivals[r.rollout_id] - (r.started_at or 0)) * 1000 for r in rollouts if r.rollout_id in arrivals)
+        overhead_ms = sorted(
+            (arrivals[r.rollout_id] - (r.started_at or 0)) * 1000 for r in rollouts if r.rollout_id in arrivals
+        )
         run_s = sorted((r.finished_at or 0) - (r.started_at or 0) for r in rollouts)
         if failed:
             print(f"{start_method}: {len(failed)} failed (first: {failed[0].status.error_message})")
         q = statistics.quantiles(overhead_ms, n=10, method="inclusive") if len(overhead_ms) > 1 else overhead_ms * 9
         return {
-            "throughput": args.rollouts / elapsed, "elapsed": elapsed, "failed": len(failed),
-            "start_p50": statistics.median(overhead_ms), "start_p90": q[8], "start_max": overhead_ms[-1],
+            "throughput": args.rollouts / elapsed,
+            "elapsed": elapsed,
+            "failed": len(failed),
+            "start_p50": statistics.median(overhead_ms),
+            "start_p90": q[8],
+            "start_max": overhead_ms[-1],
             "run_p50": statistics.median(run_s) * 1000,
         }
 
     async def bench_all(gateway_url: str, key: str, log_dir: str) -> None:
         methods = args.start_methods.split(",")
         results = {m: await bench(gateway_url, key, f"{log_dir}/{m}", m) for m in methods}
-        print(f"rollouts: {args.rollouts}, concurrency: {args.concurrency}, agent: {args.agent}, "
-              f"poll interval: {args.poll_interval}s, cores: {os.cpu_count()}, load: {os.getloadavg()[0]:.1f}")
-        print(f"{'start method':<12} {'rollouts/s':>10} {'claim->LLM p50':>15} {'p90':>7} {'max':>7} {'rollout p50':>12} {'failed':>6}")
+        print(
+            f"rollouts: {args.rollouts}, concurrency: {args.concurrency}, agent: {args.agent}, "
+            f"poll interval: {args.poll_interval}s, cores: {os.cpu_count()}, load: {os.getloadavg()[0]:.1f}"
+        )
+        print(
+            f"{'start method':<12} {'rollouts/s':>10} {'claim->LLM p50':>15} {'p90':>7} {'max':>7} {'rollout p50':>12} {'failed':>6}"
+        )
         for method, r in results.items():
-            print(f"{method:<12} {r['throughput']:>10.1f} {r['start_p50']:>12.0f} ms {r['start_p90']:>7.0f} {r['start_max']:>7.0f}"
-                  f" {r['run_p50']:>9.0f} ms {r['failed']:>6.0f}")
+            print(
+                f"{method:<12} {r['throughput']:>10.1f} {r['start_p50']:>12.0f} ms {r['start_p90']:>7.0f} {r['start_max']:>7.0f}"
+                f" {r['run_p50']:>9.0f} ms {r['failed']:>6.0f}"
+            )
         if "forkserver" in results and "spawn" in results:
             fork, spawn = results["forkserver"], results["spawn"]
-            print(f"forkserver / spawn: throughput x{fork['throughput'] / spawn['throughput']:.2f}, "
-                  f"claim -> first LLM call p50 x{fork['start_p50'] / spawn['start_p50']:.2f}")
+            print(
+                f"forkserver / spawn: throughput x{fork['throughput'] / spawn['throughput']:.2f}, "
+                f"claim -> first LLM call p50 x{fork['start_p50'] / spawn['start_p50']:.2f}"
+            )
         print(f"for reference, a bare `python -c 'import urllib.request'`: {python_startup_ms():.0f} ms")
 
     key = "bench-admin"

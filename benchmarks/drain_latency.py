@@ -21,8 +21,8 @@ Usage: python benchmarks/drain_latency.py [--repeats 20] [--delay 0.5] [--inflig
 from __future__ import annotations
 
 import argparse
-import itertools
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -72,7 +72,7 @@ class Stats:
     max: float
 
     @classmethod
-    def of(cls, values: Sequence[float]) -> "Stats":
+    def of(cls, values: Sequence[float]) -> Stats:
         ordered = sorted(values)
 
         def quantile(q: float) -> float:
@@ -174,7 +174,13 @@ async def detect_by_waiting(client: GatewayClient) -> tuple[float, int]:
 
 
 async def one_drain(
-    client: GatewayClient, http: httpx.AsyncClient, url: str, headers: dict[str, str], settings: Settings, wait: bool, rng: random.Random
+    client: GatewayClient,
+    http: httpx.AsyncClient,
+    url: str,
+    headers: dict[str, str],
+    settings: Settings,
+    wait: bool,
+    rng: random.Random,
 ) -> tuple[float, float, int]:
     """(lag, drain seconds, state requests) for one pause with calls in flight."""
     await client.resume()
@@ -239,7 +245,9 @@ async def one_pause(
 ) -> list[tuple[float, float]]:
     """Pause for `pause` s (announced as lasting that long, or not); agent i calls at i/agents
     of the way in. (pause left, latency) each."""
-    await client.pause(reason="benchmark pause", retry_after_seconds=retry_after, expected_seconds=pause if announce else None)
+    await client.pause(
+        reason="benchmark pause", retry_after_seconds=retry_after, expected_seconds=pause if announce else None
+    )
     paused_at = time.perf_counter()
 
     async def agent(offset: float) -> tuple[float, float]:
@@ -253,25 +261,27 @@ async def one_pause(
     return list(await asyncio.gather(*tasks))
 
 
-async def measure_pauses(client: GatewayClient, base_url: str, key: str, baseline: float, settings: Settings) -> list[PauseResult]:
+async def measure_pauses(
+    client: GatewayClient, base_url: str, key: str, baseline: float, settings: Settings
+) -> list[PauseResult]:
     results = []
     for retry_after, pause, announce in itertools.product(settings.retry_afters, settings.pauses, (False, True)):
-            rows: list[tuple[float, float]] = []
-            for _ in range(settings.agent_repeats):
-                rows += await one_pause(client, base_url, key, retry_after, pause, settings.agents, announce)
-            extra = [max(latency - baseline, 0.0) for _, latency in rows]
-            lost = [max(e - max(remaining, 0.0), 0.0) for e, (remaining, _) in zip(extra, rows)]
-            results.append(
-                PauseResult(
-                    retry_after=retry_after,
-                    pause=pause,
-                    announced=announce,
-                    calls=len(rows),
-                    remaining_pause=statistics.fmean(max(r, 0.0) for r, _ in rows),
-                    extra_latency=Stats.of(extra),
-                    lost=Stats.of(lost),
-                )
+        rows: list[tuple[float, float]] = []
+        for _ in range(settings.agent_repeats):
+            rows += await one_pause(client, base_url, key, retry_after, pause, settings.agents, announce)
+        extra = [max(latency - baseline, 0.0) for _, latency in rows]
+        lost = [max(e - max(remaining, 0.0), 0.0) for e, (remaining, _) in zip(extra, rows)]
+        results.append(
+            PauseResult(
+                retry_after=retry_after,
+                pause=pause,
+                announced=announce,
+                calls=len(rows),
+                remaining_pause=statistics.fmean(max(r, 0.0) for r, _ in rows),
+                extra_latency=Stats.of(extra),
+                lost=Stats.of(lost),
             )
+        )
     return results
 
 
@@ -283,7 +293,8 @@ async def run_async(settings: Settings) -> Report:
     port = free_port()
     stub = subprocess.Popen(
         [sys.executable, "-m", "rollover.gateway.stub_upstream", "--port", str(port), "--delay", str(settings.delay)],
-        start_new_session=True, preexec_fn=die_with_parent,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
     )
     try:
         with tempfile.TemporaryDirectory() as tmp, GatewayProcess(f"{tmp}/bench.db", KEY) as gateway:
@@ -344,14 +355,20 @@ def format_report(report: Report) -> str:
             f"{p.retry_after:>5g}{p.pause:>6g}{'yes' if p.announced else 'no':>10}{p.calls:>6}{p.remaining_pause:>11.2f}{p.extra_latency.mean:>11.2f}"
             f"{p.extra_latency.p90:>7.2f}{p.extra_latency.max:>7.2f}{p.lost.mean:>10.2f}{p.lost.max:>7.2f}"
         )
-    lines.append("(seconds; lost = extra latency beyond the pause left when the agent called: it resumes on its next retry, not at the resume;")
-    lines.append(" announced: the pause was posted with expected_seconds = P, so refused calls also got retry-after-ms with the time left)")
+    lines.append(
+        "(seconds; lost = extra latency beyond the pause left when the agent called: it resumes on its next retry, not at the resume;"
+    )
+    lines.append(
+        " announced: the pause was posted with expected_seconds = P, so refused calls also got retry-after-ms with the time left)"
+    )
     by_key = {(p.retry_after, p.pause, p.announced): p for p in report.pauses}
     for (retry_after, pause, announced), p in by_key.items():
         plain = by_key.get((retry_after, pause, False))
         if announced and plain is not None and p.lost.mean > 0:
-            lines.append(f"R {retry_after:g} s, P {pause:g} s: announcing the length cuts the time lost per call x{plain.lost.mean / p.lost.mean:.1f}"
-                         f" ({plain.lost.mean:.2f} -> {p.lost.mean:.2f} s)")
+            lines.append(
+                f"R {retry_after:g} s, P {pause:g} s: announcing the length cuts the time lost per call x{plain.lost.mean / p.lost.mean:.1f}"
+                f" ({plain.lost.mean:.2f} -> {p.lost.mean:.2f} s)"
+            )
     return "\n".join(lines)
 
 
@@ -382,8 +399,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     settings = Settings(
-        repeats=args.repeats, delay=args.delay, inflight=args.inflight, pauses=args.pauses,
-        retry_afters=args.retry_after, agents=args.agents, agent_repeats=args.agent_repeats, seed=args.seed,
+        repeats=args.repeats,
+        delay=args.delay,
+        inflight=args.inflight,
+        pauses=args.pauses,
+        retry_afters=args.retry_after,
+        agents=args.agents,
+        agent_repeats=args.agent_repeats,
+        seed=args.seed,
     )
     report = run_benchmark(settings)
     print(json.dumps(report.to_json()) if args.json else format_report(report))

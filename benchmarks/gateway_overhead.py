@@ -49,7 +49,8 @@ async def main_async(args: argparse.Namespace) -> None:
     port = free_port()
     stub = subprocess.Popen(
         [sys.executable, "-m", "rollover.gateway.stub_upstream", "--port", str(port), "--delay", str(args.delay)],
-        start_new_session=True, preexec_fn=die_with_parent,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
     )
     with tempfile.TemporaryDirectory() as tmp, GatewayProcess(f"{tmp}/bench.db", KEY) as gateway:
         try:

@@ -23,9 +23,10 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -115,7 +116,9 @@ def simulated_seconds(inputs: Inputs, window: int | None, drain_s: float, seeds:
 
 def predict(inputs: Inputs, window: int, drain_s: float, seeds: int, freeze: bool = True) -> float:
     """Expected speed-up of `window` over sync (mean times over `seeds` simulated runs)."""
-    return simulated_seconds(inputs, None, 0.0, seeds, freeze) / simulated_seconds(inputs, window, drain_s, seeds, freeze)
+    return simulated_seconds(inputs, None, 0.0, seeds, freeze) / simulated_seconds(
+        inputs, window, drain_s, seeds, freeze
+    )
 
 
 def compare(inputs: Inputs, measured: Sequence[Measured], seeds: int = 20) -> list[Comparison]:
@@ -131,15 +134,20 @@ def compare(inputs: Inputs, measured: Sequence[Measured], seeds: int = 20) -> li
             predicted_own_inputs=(
                 # The async run's durations already hold the time its rollouts stood still in
                 # pauses: freezing them again would count it twice.
-                sync_s / simulated_seconds(m.own_inputs, m.window, m.drain_s, seeds, freeze=False) if m.own_inputs else None
+                sync_s / simulated_seconds(m.own_inputs, m.window, m.drain_s, seeds, freeze=False)
+                if m.own_inputs
+                else None
             ),
         )
         for m in measured
     ]
 
 
-def from_results(sync: ModeResult, asyncs: Sequence[ModeResult], capacity: int, durations: Empirical | None = None) -> tuple[Inputs, list[Measured]]:
+def from_results(
+    sync: ModeResult, asyncs: Sequence[ModeResult], capacity: int, durations: Empirical | None = None
+) -> tuple[Inputs, list[Measured]]:
     """Planner inputs and measurements from an async_vs_sync run's results."""
+
     def inputs_of(run: ModeResult, given: Empirical | None) -> Inputs:
         return Inputs(
             durations=given or load_durations(run.run_dir),
@@ -196,23 +204,49 @@ def format_comparisons(inputs: Inputs, comparisons: Sequence[Comparison], load: 
         lines.append(
             f"{c.window:>7}{c.multiplier:>5g}x{c.drain_s:>8.2f}{c.measured:>9.2f}x{c.predicted:>10.2f}x{c.error:>+8.0%}"
             f"{c.predicted_running:>14.2f}x{c.error_running:>+8.0%}"
-            + (f"{c.predicted_own_inputs:>17.2f}x{c.error_own_inputs:>+8.0%}" if c.predicted_own_inputs is not None else "")
+            + (
+                f"{c.predicted_own_inputs:>17.2f}x{c.error_own_inputs:>+8.0%}"
+                if c.predicted_own_inputs is not None
+                else ""
+            )
         )
-    lines.append("predicted: from the sync run's durations and update time, rollouts frozen during update + sync (planner default)")
+    lines.append(
+        "predicted: from the sync run's durations and update time, rollouts frozen during update + sync (planner default)"
+    )
     lines.append("pred. running: the same, rollouts progressing meanwhile")
     if any(c.predicted_own_inputs is not None for c in comparisons):
-        lines.append("pred. own inputs: sync from the sync run's inputs; async from the async run's own durations (pauses included) and update time")
+        lines.append(
+            "pred. own inputs: sync from the sync run's inputs; async from the async run's own durations (pauses included) and update time"
+        )
     return "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[async_vs_sync.parser(add_help=False)])
-    parser.add_argument("--from", dest="from_dir", type=Path, default=None, help="compare the run folders an async_vs_sync run left here")
-    parser.add_argument("--durations", type=Path, default=None, help='durations: JSONL of {"duration_s": x}, a store or a run folder')
-    parser.add_argument("--update-seconds", type=float, default=None, help="with --measured-speedup: update time per step")
-    parser.add_argument("--sync-seconds", type=float, default=0.0, help="with --measured-speedup: weight sync per step (default 0)")
-    parser.add_argument("--drain-seconds", type=float, default=0.0, help="with --measured-speedup: drain per step (default 0)")
-    parser.add_argument("--measured-speedup", type=float, default=None, help="a measured async/sync speed-up to compare with")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], parents=[async_vs_sync.parser(add_help=False)]
+    )
+    parser.add_argument(
+        "--from",
+        dest="from_dir",
+        type=Path,
+        default=None,
+        help="compare the run folders an async_vs_sync run left here",
+    )
+    parser.add_argument(
+        "--durations", type=Path, default=None, help='durations: JSONL of {"duration_s": x}, a store or a run folder'
+    )
+    parser.add_argument(
+        "--update-seconds", type=float, default=None, help="with --measured-speedup: update time per step"
+    )
+    parser.add_argument(
+        "--sync-seconds", type=float, default=0.0, help="with --measured-speedup: weight sync per step (default 0)"
+    )
+    parser.add_argument(
+        "--drain-seconds", type=float, default=0.0, help="with --measured-speedup: drain per step (default 0)"
+    )
+    parser.add_argument(
+        "--measured-speedup", type=float, default=None, help="a measured async/sync speed-up to compare with"
+    )
     parser.add_argument("--sim-seeds", type=int, default=20, help="simulated runs per prediction (default 20)")
     return parser
 
@@ -226,7 +260,15 @@ def main(argv: list[str] | None = None) -> int:
         if given is None or args.update_seconds is None:
             raise SystemExit("--measured-speedup needs --durations and --update-seconds")
         [window] = window_sizes(args.batch, [args.window])
-        inputs = Inputs(given, args.batch, args.n, args.capacity or args.batch * args.n, args.updates, args.update_seconds, args.sync_seconds)
+        inputs = Inputs(
+            given,
+            args.batch,
+            args.n,
+            args.capacity or args.batch * args.n,
+            args.updates,
+            args.update_seconds,
+            args.sync_seconds,
+        )
         measured = [Measured(window, args.measured_speedup, args.drain_seconds)]
     elif args.from_dir is not None:
         sync, asyncs, capacity = read_runs(args.from_dir.resolve())
@@ -245,12 +287,16 @@ def main(argv: list[str] | None = None) -> int:
         load = report.load_after
     comparisons = compare(inputs, measured, args.sim_seeds)
     if args.json:
-        print(json.dumps({
-            "inputs": asdict(inputs) | {"durations": list(inputs.durations.durations)},
-            "comparisons": [c.to_json() for c in comparisons],
-            "loadavg": list(load or os.getloadavg()),
-            "measurement": measurement,
-        }))
+        print(
+            json.dumps(
+                {
+                    "inputs": asdict(inputs) | {"durations": list(inputs.durations.durations)},
+                    "comparisons": [c.to_json() for c in comparisons],
+                    "loadavg": list(load or os.getloadavg()),
+                    "measurement": measurement,
+                }
+            )
+        )
     else:
         print(format_comparisons(inputs, comparisons, load or os.getloadavg()))
     return 0

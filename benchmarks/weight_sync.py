@@ -18,19 +18,25 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx  # noqa: E402
-import torch  # noqa: E402
+import httpx
+import torch
 
-from rollover.engine.vllm_engine import VLLMEngine  # noqa: E402
-from rollover.engine.weights import save_weights  # noqa: E402
+from rollover.engine.vllm_engine import VLLMEngine
+from rollover.engine.weights import save_weights
 
 
 def first_reply_seconds(engine: VLLMEngine) -> float:
     start = time.perf_counter()
-    resp = httpx.post(f"{engine.base_url}/chat/completions", timeout=300, json={
-        "model": engine.served_model_name, "max_tokens": 1, "temperature": 0.0,
-        "messages": [{"role": "user", "content": "What is 2+3?"}],
-    })
+    resp = httpx.post(
+        f"{engine.base_url}/chat/completions",
+        timeout=300,
+        json={
+            "model": engine.served_model_name,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "messages": [{"role": "user", "content": "What is 2+3?"}],
+        },
+    )
     resp.raise_for_status()
     return time.perf_counter() - start
 
@@ -40,14 +46,13 @@ def bench(label: str, model_dir: Path, work: Path, repeats: int, dtype: str) -> 
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     n_params = sum(p.numel() for p in model.parameters())
-    engine = VLLMEngine(model_dir, log_path=work / f"{label}.log", max_model_len=1024,
-                        dtype=dtype, enforce_eager=True)
+    engine = VLLMEngine(model_dir, log_path=work / f"{label}.log", max_model_len=1024, dtype=dtype, enforce_eager=True)
     engine.start()
     cold = engine.wait_ready()
     saves, loads, readies, inside = [], [], [], []
     try:
         first_reply_seconds(engine)  # the first request pays one-off costs
-        for i in range(repeats):
+        for _ in range(repeats):
             with torch.no_grad():  # new weights each round, like a policy update
                 for p in model.parameters():
                     p.mul_(1.0 + 1e-3)
@@ -65,17 +70,23 @@ def bench(label: str, model_dir: Path, work: Path, repeats: int, dtype: str) -> 
         engine.stop()
     size_mb = sum(f.stat().st_size for f in (work / f"{label}-weights").iterdir()) / 1e6
     row = {
-        "params_m": n_params / 1e6, "file_mb": size_mb, "cold_start_s": cold,
-        "save_s": statistics.median(saves), "load_s": statistics.median(loads),
+        "params_m": n_params / 1e6,
+        "file_mb": size_mb,
+        "cold_start_s": cold,
+        "save_s": statistics.median(saves),
+        "load_s": statistics.median(loads),
         "ready_s": statistics.median(readies),
         "reload_in_engine_s": statistics.median(inside) if inside else float("nan"),
     }
     row["sync_s"] = row["save_s"] + row["load_s"] + row["ready_s"]
-    print(f"{label:>8}: {row['params_m']:.1f}M params, {row['file_mb']:.0f} MB | "
-          f"save {row['save_s']:.3f} s + load {row['load_s']:.3f} s + ready {row['ready_s']:.3f} s "
-          f"= {row['sync_s']:.3f} s (in-engine reload {row['reload_in_engine_s']:.3f} s) | "
-          f"cold start {cold:.1f} s "
-          f"(sync is {cold / row['sync_s']:.0f}x faster than a restart)", flush=True)
+    print(
+        f"{label:>8}: {row['params_m']:.1f}M params, {row['file_mb']:.0f} MB | "
+        f"save {row['save_s']:.3f} s + load {row['load_s']:.3f} s + ready {row['ready_s']:.3f} s "
+        f"= {row['sync_s']:.3f} s (in-engine reload {row['reload_in_engine_s']:.3f} s) | "
+        f"cold start {cold:.1f} s "
+        f"(sync is {cold / row['sync_s']:.0f}x faster than a restart)",
+        flush=True,
+    )
     return row
 
 
@@ -93,14 +104,17 @@ def main() -> None:
     rows = {"tiny": bench("tiny", build_tiny_model(work / "tiny"), work, args.repeats, args.dtype)}
     try:
         from rollover.modelzoo.smollm2 import SmolLM2NotInstalled, convert_smollm2
+
         smol_dir = convert_smollm2(work / "smollm2", dtype=args.dtype)
     except SmolLM2NotInstalled as e:
         print(f"smollm2: skipped ({e})")
     else:
         rows["smollm2"] = bench("smollm2", smol_dir, work, args.repeats, args.dtype)
         ratio = rows["smollm2"]["sync_s"] / rows["tiny"]["sync_s"]
-        print(f"ratio smollm2/tiny: sync {ratio:.1f}x, "
-              f"params {rows['smollm2']['params_m'] / rows['tiny']['params_m']:.0f}x")
+        print(
+            f"ratio smollm2/tiny: sync {ratio:.1f}x, "
+            f"params {rows['smollm2']['params_m'] / rows['tiny']['params_m']:.0f}x"
+        )
     print(f"workdir: {work}")
 
 

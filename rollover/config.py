@@ -7,9 +7,10 @@ reported as a `ConfigError` naming the dotted key.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import yaml
 from omegaconf import OmegaConf
@@ -23,7 +24,6 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
 
 
 class DataConfig(_Section):

@@ -19,13 +19,17 @@ SEED_ASYNC_METRICS = (
     "training/async/proxy_drain_seconds",
 )
 SEED_TIMING_METRICS = tuple(
-    f"timing/rollout_{name}/{stat}" for name in ("queue_wait_s", "run_duration_s", "total_s") for stat in ("mean", "p50", "p90", "max")
+    f"timing/rollout_{name}/{stat}"
+    for name in ("queue_wait_s", "run_duration_s", "total_s")
+    for stat in ("mean", "p50", "p90", "max")
 )
 
 Rows = list[dict[str, Any]]
 
 
-def train_briefly(config_path: Path, tmp_path: Path, model: Path, name: str, steps: int, *overrides: str, engine: Any) -> tuple[Rows, Rows]:
+def train_briefly(
+    config_path: Path, tmp_path: Path, model: Path, name: str, steps: int, *overrides: str, engine: Any
+) -> tuple[Rows, Rows]:
     """`steps` updates of `config_path` on `model` through the real system (the session's
     vLLM `engine`); the run's metrics rows: (training steps, held-out evaluations)."""
     config = load_config(

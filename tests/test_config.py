@@ -15,7 +15,9 @@ def test_defaults_match_the_seed():
 
 def test_yaml_then_dotlist(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("data:\n  train_batch_size: 8\nagentlightning:\n  async_rollout:\n    enabled: true\n    async_train_batch_size: 16\n")
+    path.write_text(
+        "data:\n  train_batch_size: 8\nagentlightning:\n  async_rollout:\n    enabled: true\n    async_train_batch_size: 16\n"
+    )
     config = load_config(path, ["data.train_batch_size=4", "algorithm.rollout_correction.rollout_is=token"])
     assert config.data.train_batch_size == 4
     assert config.agentlightning.async_rollout.async_train_batch_size == 16
@@ -57,8 +59,21 @@ def test_async_window_must_exceed_the_batch(window):
     with pytest.raises(ValueError) as excinfo:
         check_async_rollout(load_config(None, overrides))
     message = str(excinfo.value)
-    assert "async_train_batch_size" in message and "train_batch_size=8" in message and f"async_train_batch_size={window}" in message
+    assert (
+        "async_train_batch_size" in message
+        and "train_batch_size=8" in message
+        and f"async_train_batch_size={window}" in message
+    )
 
 
 def test_async_window_ok():
-    check_async_rollout(load_config(None, ["agentlightning.async_rollout.enabled=true", "data.train_batch_size=8", "agentlightning.async_rollout.async_train_batch_size=16"]))
+    check_async_rollout(
+        load_config(
+            None,
+            [
+                "agentlightning.async_rollout.enabled=true",
+                "data.train_batch_size=8",
+                "agentlightning.async_rollout.async_train_batch_size=16",
+            ],
+        )
+    )

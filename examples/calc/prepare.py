@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from examples.calc.task import PROSE_ANSWER, demonstration, make_tasks
 from rollover.config import RolloverConfig

@@ -32,7 +32,12 @@ def make_task(rng: random.Random, index: int) -> dict[str, Any]:
     else:
         a, b = rng.randint(10, 99), rng.randint(10, 99)
     expression = f"{a}{op}{b}"
-    return {"id": f"calc-{index}", "question": f"What is {expression}?", "expression": expression, "answer": calculate(expression)}
+    return {
+        "id": f"calc-{index}",
+        "question": f"What is {expression}?",
+        "expression": expression,
+        "answer": calculate(expression),
+    }
 
 
 def make_tasks(count: int, seed: int, start: int = 0) -> list[dict[str, Any]]:

@@ -40,5 +40,8 @@ class GSM8KAgent:
                 messages += [{"role": "assistant", "content": text}, {"role": "user", "content": FOLLOW_UP}]
         final = replies[-1] if replies else ""
         reward = score(task, final)
-        print(f"task {task.get('id')}: answer {extract_answer(final)!r}, gold {task['answer']!r}, reward {reward}", flush=True)
+        print(
+            f"task {task.get('id')}: answer {extract_answer(final)!r}, gold {task['answer']!r}, reward {reward}",
+            flush=True,
+        )
         ctx.report_reward(reward)

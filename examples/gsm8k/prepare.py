@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from examples.gsm8k.task import make_splits
-from rollover.modelzoo.smollm2 import cached_smollm2
 from rollover.config import RolloverConfig
+from rollover.modelzoo.smollm2 import cached_smollm2
 from rollover.training.data import write_tasks
 
 TRAIN_SIZE, VAL_SIZE, SEED = 2000, 200, 1

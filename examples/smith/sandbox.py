@@ -141,7 +141,7 @@ def run_tests(repo: str | Path, limits: Limits = Limits()) -> TestReport:
     if timed_out:
         return TestReport(timed_out=True, output=text[-4000:])
     marker = f"{RESULT_PREFIX}{nonce} "
-    results = [line[len(marker):] for line in text.splitlines() if line.startswith(marker)]
+    results = [line[len(marker) :] for line in text.splitlines() if line.startswith(marker)]
     if not results:
         reason = f"exit code {process.returncode}"
         if process.returncode is not None and process.returncode < 0:

@@ -20,9 +20,10 @@ import ast
 import random
 import re
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from examples.smith.sandbox import Limits, TestReport, run_tests
 
@@ -69,7 +70,7 @@ def pad_left(text, width, fill=" "):
     return text
 '''
 
-TEST_STRUTILS = '''\
+TEST_STRUTILS = """\
 from strutils import chunk, count_vowels, is_palindrome, pad_left, reverse_words, truncate
 
 
@@ -102,7 +103,7 @@ def test_chunk():
 def test_pad_left():
     assert pad_left("7", 3, "0") == "007"
     assert pad_left("1234", 3) == "1234"
-'''
+"""
 
 STACK = '''\
 """A stack and a bracket checker built on it."""
@@ -158,7 +159,7 @@ def max_depth(text):
     return deepest
 '''
 
-TEST_STACK = '''\
+TEST_STACK = """\
 from stack import Stack, balanced, max_depth
 
 
@@ -205,7 +206,7 @@ def test_balanced():
 def test_max_depth():
     assert max_depth("(()(()))") == 3
     assert max_depth("") == 0
-'''
+"""
 
 INTERVALS = '''\
 """Date and interval helpers."""
@@ -247,7 +248,7 @@ def clamp(value, low, high):
     return value
 '''
 
-TEST_INTERVALS = '''\
+TEST_INTERVALS = """\
 import datetime
 
 from intervals import add_days, clamp, days_between, is_weekend, merge, overlaps
@@ -283,7 +284,7 @@ def test_clamp():
     assert clamp(5, 0, 10) == 5
     assert clamp(-1, 0, 10) == 0
     assert clamp(11, 0, 10) == 10
-'''
+"""
 
 
 @dataclass(frozen=True)
@@ -307,20 +308,46 @@ TEMPLATES = (
 # A mutation replaces one small span of the module's text, so the bug is a minimal diff.
 
 _COMPARE_TEXT: dict[type, str] = {
-    ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!=",
-    ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not",
+    ast.Lt: "<",
+    ast.LtE: "<=",
+    ast.Gt: ">",
+    ast.GtE: ">=",
+    ast.Eq: "==",
+    ast.NotEq: "!=",
+    ast.In: "in",
+    ast.NotIn: "not in",
+    ast.Is: "is",
+    ast.IsNot: "is not",
 }
 _FLIPPED: dict[type, type] = {
-    ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
-    ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In,
-    ast.Is: ast.IsNot, ast.IsNot: ast.Is,
+    ast.Lt: ast.LtE,
+    ast.LtE: ast.Lt,
+    ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
 }
 _OPERATOR_TEXT: dict[type, str] = {
-    ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "//", ast.Mod: "%", ast.And: "and", ast.Or: "or",
+    ast.Add: "+",
+    ast.Sub: "-",
+    ast.Mult: "*",
+    ast.FloorDiv: "//",
+    ast.Mod: "%",
+    ast.And: "and",
+    ast.Or: "or",
 }
 _WRONG_OPERATOR: dict[type, type] = {
-    ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Add, ast.FloorDiv: ast.Mult, ast.Mod: ast.FloorDiv,
-    ast.And: ast.Or, ast.Or: ast.And,
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+    ast.Mult: ast.Add,
+    ast.FloorDiv: ast.Mult,
+    ast.Mod: ast.FloorDiv,
+    ast.And: ast.Or,
+    ast.Or: ast.And,
 }
 
 Span = tuple[int, int, int, int]  # (line, column, end line, end column), as in `ast`
@@ -351,7 +378,7 @@ class _Source:
     def segment(self, span: Span) -> str:
         return self.text[self.offset(span[0], span[1]) : self.offset(span[2], span[3])]
 
-    def mutation(self, kind: str, span: Span, replacement: str) -> "Mutation":
+    def mutation(self, kind: str, span: Span, replacement: str) -> Mutation:
         return Mutation(kind, span, self.segment(span), replacement)
 
 
@@ -374,7 +401,9 @@ def _between(source: _Source, left: ast.AST, right: ast.AST, old: str, new: str,
 def _flip_comparison(node: ast.AST, source: _Source) -> Iterator[Mutation]:
     if isinstance(node, ast.Compare) and type(node.ops[0]) in _FLIPPED:
         op = type(node.ops[0])
-        yield from _between(source, node.left, node.comparators[0], _COMPARE_TEXT[op], _COMPARE_TEXT[_FLIPPED[op]], "flip_comparison")
+        yield from _between(
+            source, node.left, node.comparators[0], _COMPARE_TEXT[op], _COMPARE_TEXT[_FLIPPED[op]], "flip_comparison"
+        )
 
 
 def _off_by_one(node: ast.AST, source: _Source) -> Iterator[Mutation]:
@@ -393,11 +422,19 @@ def _wrong_operator(node: ast.AST, source: _Source) -> Iterator[Mutation]:
 
 
 def _swapped_arguments(node: ast.AST, source: _Source) -> Iterator[Mutation]:
-    if isinstance(node, ast.Call) and len(node.args) >= 2 and not any(isinstance(a, ast.Starred) for a in node.args[:2]):
+    if (
+        isinstance(node, ast.Call)
+        and len(node.args) >= 2
+        and not any(isinstance(a, ast.Starred) for a in node.args[:2])
+    ):
         first, second = node.args[0], node.args[1]
         middle = source.segment((*_end(first), *_start(second)))
         if "#" not in middle and "\n" not in middle:
-            swapped = source.segment((*_start(second), *_end(second))) + middle + source.segment((*_start(first), *_end(first)))
+            swapped = (
+                source.segment((*_start(second), *_end(second)))
+                + middle
+                + source.segment((*_start(first), *_end(first)))
+            )
             yield source.mutation("swapped_arguments", (*_start(first), *_end(second)), swapped)
 
 
@@ -407,7 +444,11 @@ def _dropped_return(node: ast.AST, source: _Source) -> Iterator[Mutation]:
 
 
 MUTATIONS: tuple[Callable[[ast.AST, _Source], Iterator[Mutation]], ...] = (
-    _flip_comparison, _off_by_one, _wrong_operator, _swapped_arguments, _dropped_return,
+    _flip_comparison,
+    _off_by_one,
+    _wrong_operator,
+    _swapped_arguments,
+    _dropped_return,
 )
 
 

@@ -26,7 +26,6 @@ import openai
 from examples.sw.task import DEMONSTRATION, SYSTEM_PROMPT, ScienceWorld, parse_action, play
 from rollover.agent import AgentContext
 
-
 # While the trainer updates the policy the gateway answers 429 (Retry-After: 5 s), and the
 # client retries for about ten minutes; a CPU update of SmolLM2 on a busy machine can take
 # longer, so a call still refused is asked again, up to about an hour of pause in all.
@@ -41,7 +40,7 @@ class Settings:
     prompt_chars: int = 3000
 
     @classmethod
-    def from_env(cls) -> "Settings":
+    def from_env(cls) -> Settings:
         env = os.environ
         return cls(
             max_steps=int(env.get("ROLLOVER_SW_MAX_STEPS", cls.max_steps)),
@@ -99,6 +98,12 @@ class SWAgent:
             episode = play(world, task, choose, settings.max_steps, settings.obs_chars)
         finally:
             world.close()
-        print(f"task {task.get('id')}: {episode.steps} steps, score {episode.score}, actions {episode.actions}", flush=True)
-        ctx.emit("sw_episode", {"score": episode.score, "steps": episode.steps, "done": episode.done, "actions": episode.actions})
+        print(
+            f"task {task.get('id')}: {episode.steps} steps, score {episode.score}, actions {episode.actions}",
+            flush=True,
+        )
+        ctx.emit(
+            "sw_episode",
+            {"score": episode.score, "steps": episode.steps, "done": episode.done, "actions": episode.actions},
+        )
         ctx.report_reward(episode.reward)

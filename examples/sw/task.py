@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 # Short quests: each needs a handful of actions with the "easy" simplifications
 # (teleporting, open doors and containers, self-watering pots, no wiring).
@@ -41,8 +42,15 @@ ACTION = re.compile(r"ACTION:[ \t]*([^\n]*)", re.IGNORECASE)
 
 # The most useful of the simulator's action templates, in the words it accepts.
 ACTION_TEMPLATES = (
-    "look around", "look at OBJ", "teleport to PLACE", "open OBJ", "pick up OBJ",
-    "focus on OBJ", "move OBJ to OBJ", "inventory", "wait",
+    "look around",
+    "look at OBJ",
+    "teleport to PLACE",
+    "open OBJ",
+    "pick up OBJ",
+    "focus on OBJ",
+    "move OBJ to OBJ",
+    "inventory",
+    "wait",
 )
 SYSTEM_PROMPT = (
     "You are an agent in ScienceWorld, a text world. Reply with one action per turn, as "
@@ -93,13 +101,15 @@ def make_tasks(splits: dict[str, dict[str, list[int]]], split: str, per_task: in
             variations = splits[name][split]
             if index < len(variations):
                 variation = int(variations[index])
-                rows.append({
-                    "id": f"sw-{name}-{variation}",
-                    "task_name": name,
-                    "variation": variation,
-                    "simplification": SIMPLIFICATION,
-                    "split": split,
-                })
+                rows.append(
+                    {
+                        "id": f"sw-{name}-{variation}",
+                        "task_name": name,
+                        "variation": variation,
+                        "simplification": SIMPLIFICATION,
+                        "split": split,
+                    }
+                )
     return rows
 
 
@@ -168,7 +178,7 @@ class ScienceWorld:
             self.process.kill()
             self.process.wait(timeout=timeout)
 
-    def __enter__(self) -> "ScienceWorld":
+    def __enter__(self) -> ScienceWorld:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -184,7 +194,9 @@ def play(
 ) -> Episode:
     """One episode: `choose(text)` gets the task and the first observation, then each step's
     observation (trimmed to `obs_chars`), and answers an action (None ends the episode)."""
-    description, observation = world.start(task["task_name"], int(task["variation"]), task.get("simplification", SIMPLIFICATION))
+    description, observation = world.start(
+        task["task_name"], int(task["variation"]), task.get("simplification", SIMPLIFICATION)
+    )
     episode = Episode(task_description=description)
     text = f"Task: {description}\n\n{trim(observation, obs_chars)}"
     while episode.steps < max_steps and not episode.done:

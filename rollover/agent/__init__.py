@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import httpx
 
@@ -40,7 +41,7 @@ class AgentContext:
     input: Any = None
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "AgentContext":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> AgentContext:
         env = os.environ if environ is None else environ
         missing = [name for name in ("AGL_OPENAI_BASE_URL", "AGL_EVENT_URL", "AGL_KEY") if not env.get(name)]
         if missing:
@@ -60,19 +61,27 @@ class AgentContext:
 
     @property
     def mode(self) -> str:
-        """"train" or "val": the gateway's mode for this rollout, from its proxy URL."""
+        """ "train" or "val": the gateway's mode for this rollout, from its proxy URL."""
         return "val" if "/mode/val/" in self.openai_base_url else "train"
 
-    def openai(self, *, max_retries: int = DEFAULT_MAX_RETRIES, timeout: float = DEFAULT_TIMEOUT_SECONDS, **kwargs: Any):
+    def openai(
+        self, *, max_retries: int = DEFAULT_MAX_RETRIES, timeout: float = DEFAULT_TIMEOUT_SECONDS, **kwargs: Any
+    ):
         """A synchronous `openai.OpenAI` client; the OpenAI client honours `Retry-After` on 429."""
         from openai import OpenAI
 
-        return OpenAI(base_url=self.openai_base_url, api_key=self.key, max_retries=max_retries, timeout=timeout, **kwargs)
+        return OpenAI(
+            base_url=self.openai_base_url, api_key=self.key, max_retries=max_retries, timeout=timeout, **kwargs
+        )
 
-    def async_openai(self, *, max_retries: int = DEFAULT_MAX_RETRIES, timeout: float = DEFAULT_TIMEOUT_SECONDS, **kwargs: Any):
+    def async_openai(
+        self, *, max_retries: int = DEFAULT_MAX_RETRIES, timeout: float = DEFAULT_TIMEOUT_SECONDS, **kwargs: Any
+    ):
         from openai import AsyncOpenAI
 
-        return AsyncOpenAI(base_url=self.openai_base_url, api_key=self.key, max_retries=max_retries, timeout=timeout, **kwargs)
+        return AsyncOpenAI(
+            base_url=self.openai_base_url, api_key=self.key, max_retries=max_retries, timeout=timeout, **kwargs
+        )
 
     def emit(self, event_type: str, data: Any, *, timeout: float = 30.0) -> dict[str, Any]:
         """Post any event to this rollout's attempt."""

@@ -43,9 +43,8 @@ def gateway(args: argparse.Namespace) -> int:
 
 def train(args: argparse.Namespace) -> int:
     from rollover.config import load_config
-    from rollover.training.run import run_training
-
     from rollover.engine.vllm_engine import EngineError
+    from rollover.training.run import run_training
 
     try:
         config = load_config(args.config, args.overrides)

@@ -16,7 +16,8 @@ import inspect
 import json
 import os
 import sys
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 CLASS_ENV = "AGL_AGENT_CLASS"
 # Set by the local runner's spawn path: the agent dies with the controller that started it.
@@ -52,7 +53,11 @@ def _takes_argument(method: Any) -> bool:
         parameters = inspect.signature(method).parameters.values()
     except (TypeError, ValueError):
         return False
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    positional = (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.VAR_POSITIONAL,
+    )
     return any(p.kind in positional for p in parameters)
 
 

@@ -24,9 +24,10 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -244,7 +245,9 @@ class Controller:
         if self.config.runner == "local":
             from rollover.controller.local import LocalRunner
 
-            return LocalRunner(self.config.local, log_dir=self.log_dir, cwd=self.cwd, kill_grace_seconds=kill_grace_seconds)
+            return LocalRunner(
+                self.config.local, log_dir=self.log_dir, cwd=self.cwd, kill_grace_seconds=kill_grace_seconds
+            )
         from rollover.controller.k8s import K8sRunner
 
         host = httpx.URL(self.client.base_url).host
@@ -258,7 +261,7 @@ class Controller:
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    async def __aenter__(self) -> "Controller":
+    async def __aenter__(self) -> Controller:
         await self.start()
         return self
 
@@ -325,7 +328,13 @@ class Controller:
                 # Whatever goes wrong in one tick (a gateway restart, a bad reply), the next
                 # tick starts from the store's state again.
                 level = logging.WARNING if _transient(exc) else logging.ERROR
-                log.log(level, "controller tick failed (retrying in %.1fs): %r", backoff, exc, exc_info=level == logging.ERROR)
+                log.log(
+                    level,
+                    "controller tick failed (retrying in %.1fs): %r",
+                    backoff,
+                    exc,
+                    exc_info=level == logging.ERROR,
+                )
                 await self._sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
 
@@ -453,7 +462,9 @@ class Controller:
         env_map = {**self.config.local.env_map, **rollout.config.local.env_map}
         public_url = self.config.k8s.gateway_url if self.config.runner == "k8s" else None
         env = agent_env(self.client, rollout, attempt.attempt_id, env_map, public_url)
-        return LaunchSpec(rollout=rollout, attempt_id=attempt.attempt_id, env=env, timeout_seconds=attempt.timeout_seconds)
+        return LaunchSpec(
+            rollout=rollout, attempt_id=attempt.attempt_id, env=env, timeout_seconds=attempt.timeout_seconds
+        )
 
     async def _run_attempt(self, attempt: _Attempt) -> None:
         try:
@@ -509,7 +520,9 @@ class Controller:
 
     async def _note_job_name(self, attempt: _Attempt, job_name: str) -> None:
         try:
-            await self._retry(lambda: self.client.update_status(attempt.rollout_id, k8s_job_name=job_name), give_up_after=10)
+            await self._retry(
+                lambda: self.client.update_status(attempt.rollout_id, k8s_job_name=job_name), give_up_after=10
+            )
         except (ConflictError, NotFoundError):
             pass  # aborted or deleted meanwhile; the next tick notices
         except Exception as exc:
@@ -554,4 +567,3 @@ class Controller:
                 log.warning("gateway call failed, retrying in %.1fs: %r", delay, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-

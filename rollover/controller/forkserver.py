@@ -65,8 +65,9 @@ def _child(request: dict[str, Any], server_pid: int) -> int:
         os.close(log)
         sys.stdin = open(0, encoding="utf-8", closefd=False)
         sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
-        sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), encoding="utf-8",
-                                      errors="backslashreplace", write_through=True)
+        sys.stderr = io.TextIOWrapper(
+            open(2, "wb", buffering=0, closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
+        )
         cwd = request["cwd"]
         os.chdir(cwd)
         os.environ.clear()
@@ -75,7 +76,7 @@ def _child(request: dict[str, Any], server_pid: int) -> int:
         extra = [cwd, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
         sys.path[:0] = [p for p in extra if p not in sys.path]
         sys.argv = ["rollover.controller.agent_main", request["agent_class"]]
-    except BaseException:  # noqa: BLE001 - the child must exit, whatever went wrong
+    except BaseException:
         traceback.print_exc()
         return 70
     from rollover.controller.agent_main import run_agent
@@ -95,14 +96,14 @@ def _child(request: dict[str, Any], server_pid: int) -> int:
             return code & 0xFF
         print(code, file=sys.stderr)
         return 1
-    except BaseException:  # noqa: BLE001 - as the interpreter would: traceback, exit 1
+    except BaseException:
         traceback.print_exc()
         return 1
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
 
@@ -215,7 +216,12 @@ class ForkServerClient:
 
     @property
     def running(self) -> bool:
-        return self.process is not None and self.process.returncode is None and self._reader is not None and not self._reader.done()
+        return (
+            self.process is not None
+            and self.process.returncode is None
+            and self._reader is not None
+            and not self._reader.done()
+        )
 
     async def start(self) -> None:
         async with self._start_lock:
@@ -224,14 +230,23 @@ class ForkServerClient:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "ab") as log:
                 self.process = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "rollover.controller.forkserver", "--parent-pid", str(os.getpid()),
+                    sys.executable,
+                    "-m",
+                    "rollover.controller.forkserver",
+                    "--parent-pid",
+                    str(os.getpid()),
                     *self.preload,
-                    cwd=self.cwd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log,
+                    cwd=self.cwd,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=log,
                     start_new_session=True,
                 )
             self._reader = asyncio.get_running_loop().create_task(self._read(self.process))
 
-    async def spawn(self, agent_class: str, env: dict[str, str], cwd: Path, log_path: Path) -> tuple[int, asyncio.Future[int | None]]:
+    async def spawn(
+        self, agent_class: str, env: dict[str, str], cwd: Path, log_path: Path
+    ) -> tuple[int, asyncio.Future[int | None]]:
         await self.start()
         assert self.process is not None and self.process.stdin is not None
         self._next_id += 1
@@ -311,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     for module in (*DEFAULT_PRELOAD, *args.preload):
         try:
             importlib.import_module(module)
-        except Exception as exc:  # noqa: BLE001 - children will import it (and report) themselves
+        except Exception as exc:
             print(f"forkserver: cannot preload {module!r}: {exc!r}", file=sys.stderr, flush=True)
     # Replies go to the real stdout; anything else printed here goes to stderr (the log).
     replies = sys.stdout

@@ -140,7 +140,7 @@ class JobTemplate:
             raise JobTemplateError(f"{source}: Jinja syntax error on line {exc.lineno}: {exc.message}") from None
 
     @classmethod
-    def from_path(cls, path: str | Path, key: str) -> "JobTemplate":
+    def from_path(cls, path: str | Path, key: str) -> JobTemplate:
         path = Path(path)
         if not path.is_file():
             raise JobTemplateError(f"{key}: Job template file not found: {path}")
@@ -162,7 +162,16 @@ class JobTemplate:
         the result is a Job the controller can run."""
         try:
             rendered = self._lenient.render(input={}, job_name="check-a1", rollout_id="check", attempt_id="a1")
-            build_job(self._load(rendered), job_name="check-a1", namespace="default", rollout_id="check", attempt_id="a1", env={}, ttl_seconds=0, deadline_seconds=1)
+            build_job(
+                self._load(rendered),
+                job_name="check-a1",
+                namespace="default",
+                rollout_id="check",
+                attempt_id="a1",
+                env={},
+                ttl_seconds=0,
+                deadline_seconds=1,
+            )
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             raise JobTemplateError(f"{self.source}: {exc}") from None
 
@@ -277,7 +286,7 @@ def _transient_api(exc: BaseException) -> bool:
 
 
 class K8sExecution:
-    def __init__(self, runner: "K8sRunner", job_name: str) -> None:
+    def __init__(self, runner: K8sRunner, job_name: str) -> None:
         self.runner = runner
         self.job_name = job_name
         self.created_at = time.monotonic()
@@ -323,7 +332,9 @@ class K8sRunner:
     async def _new_api_client(self) -> Any:
         try:
             if self.config.kubeconfig:
-                return await k8s_config.new_client_from_config(config_file=str(Path(self.config.kubeconfig).expanduser()))
+                return await k8s_config.new_client_from_config(
+                    config_file=str(Path(self.config.kubeconfig).expanduser())
+                )
             if os.environ.get("KUBERNETES_SERVICE_HOST"):
                 configuration = k8s_client.Configuration()
                 k8s_config.load_incluster_config(client_configuration=configuration)
@@ -368,7 +379,11 @@ class K8sRunner:
         if own not in self._templates:
             try:
                 # A value with a line break is the template itself; anything else is a path.
-                template = JobTemplate(own, ROLLOUT_TEMPLATE_KEY) if "\n" in own else JobTemplate.from_path(own, ROLLOUT_TEMPLATE_KEY)
+                template = (
+                    JobTemplate(own, ROLLOUT_TEMPLATE_KEY)
+                    if "\n" in own
+                    else JobTemplate.from_path(own, ROLLOUT_TEMPLATE_KEY)
+                )
                 template.check()
             except JobTemplateError as exc:
                 raise LaunchError(str(exc), permanent=True) from None
@@ -480,7 +495,9 @@ class K8sRunner:
                 return
 
     async def _list_jobs(self) -> dict[str, Any]:
-        response = await self._batch.list_namespaced_job(self.config.namespace, label_selector=SELECTOR, _preload_content=False)
+        response = await self._batch.list_namespaced_job(
+            self.config.namespace, label_selector=SELECTOR, _preload_content=False
+        )
         try:
             if response.status >= 400:
                 raise ApiException(status=response.status, reason=await response.text())

@@ -172,15 +172,24 @@ class LocalRunner:
         log.debug("rollout %s attempt %s: pid %d, log %s", spec.rollout_id, spec.attempt_id, pid, log_path)
         return execution
 
-    async def _spawn(self, agent_class: str, env: dict[str, str], log_path: Path) -> tuple[int, asyncio.Future[int | None]]:
+    async def _spawn(
+        self, agent_class: str, env: dict[str, str], log_path: Path
+    ) -> tuple[int, asyncio.Future[int | None]]:
         """A fresh interpreter. No `preexec_fn`: it would make Python fork the whole
         controller process; the agent asks for its parent-death signal itself."""
         env[PARENT_PID_ENV] = str(os.getpid())
         with open(log_path, "ab") as log_file:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "rollover.controller.agent_main", agent_class,
-                cwd=self.cwd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                sys.executable,
+                "-m",
+                "rollover.controller.agent_main",
+                agent_class,
+                cwd=self.cwd,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
             )
         exited: asyncio.Task[int | None] = asyncio.get_running_loop().create_task(process.wait())
         self._reapers.add(exited)

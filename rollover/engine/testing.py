@@ -34,12 +34,12 @@ def build_test_model(out_dir: str | Path) -> Path:
     return build_tiny_model(out_dir)
 
 
-def start_test_engine(
-    model_dir: str | Path, log_path: str | Path | None = None, **kwargs: object
-) -> VLLMEngine:
+def start_test_engine(model_dir: str | Path, log_path: str | Path | None = None, **kwargs: object) -> VLLMEngine:
     """Start a small CPU engine in eager mode (fastest start) and wait until ready."""
     opts: dict[str, object] = dict(
-        max_model_len=TEST_MAX_MODEL_LEN, kv_cache_space_gb=1, enforce_eager=True,
+        max_model_len=TEST_MAX_MODEL_LEN,
+        kv_cache_space_gb=1,
+        enforce_eager=True,
         start_timeout_s=240,
     )
     opts.update(kwargs)
@@ -72,9 +72,7 @@ if pytest is not None:
         return build_test_model(tmp_path_factory.mktemp("tiny-model") / "model")
 
     @pytest.fixture(scope="session")
-    def vllm_engine(
-        tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-    ) -> Iterator[VLLMEngine]:
+    def vllm_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMEngine]:
         if not vllm_available():
             pytest.skip("vLLM is not installed")
         log_path = tmp_path_factory.mktemp("vllm-log") / "vllm.log"

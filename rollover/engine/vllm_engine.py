@@ -218,13 +218,21 @@ class VLLMEngine:
     def command(self) -> list[str]:
         """The argv that starts the server (the `vllm` console script is not used)."""
         args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir),
-            "--served-model-name", self.served_model_name,
-            "--dtype", self.dtype,
-            "--max-model-len", str(self.max_model_len),
-            "--host", self.host,
-            "--port", str(self.port),
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            self.served_model_name,
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
         ]
         if self.device == "cuda" and self.gpu_memory_utilization is not None:
             args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
@@ -265,7 +273,8 @@ class VLLMEngine:
             if not (self.model_dir / "config.json").is_file():
                 raise EngineStartError(
                     f"{self.model_dir} is not a model folder (no config.json)",
-                    exit_code=None, log_tail="",
+                    exit_code=None,
+                    log_tail="",
                 )
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "ab")
@@ -273,8 +282,7 @@ class VLLMEngine:
             self._log_file.flush()
             self._started_at = time.monotonic()
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", _SUPERVISOR, str(os.getpid()), str(self.stop_grace_s),
-                 *self.command()],
+                [sys.executable, "-c", _SUPERVISOR, str(os.getpid()), str(self.stop_grace_s), *self.command()],
                 stdin=subprocess.DEVNULL,
                 stdout=self._log_file,
                 stderr=subprocess.STDOUT,
@@ -394,9 +402,7 @@ class VLLMEngine:
                     log.error("vLLM pid %d did not exit after SIGKILL", proc.pid)
                 # Grandchildren are reaped by init; wait briefly so callers see them gone.
                 deadline = time.monotonic() + 5
-                while time.monotonic() < deadline and (
-                    group_alive(pgid) or any(pid_alive(p) for p in family)
-                ):
+                while time.monotonic() < deadline and (group_alive(pgid) or any(pid_alive(p) for p in family)):
                     time.sleep(0.05)
             if self._log_file is not None:
                 self._log_file.close()
@@ -435,8 +441,7 @@ class VLLMEngine:
             raise EngineError(f"{what} failed: HTTP {resp.status_code}: {resp.text[:2000]}")
         return resp
 
-    async def _post(self, path: str, *, json: Any = None, params: Any = None,
-                    timeout: float = 600.0) -> httpx.Response:
+    async def _post(self, path: str, *, json: Any = None, params: Any = None, timeout: float = 600.0) -> httpx.Response:
         if not self.is_alive():
             raise EngineError(f"engine is not running (POST {path})")
         async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
@@ -546,15 +551,15 @@ class VLLMEngine:
 
     def registration(self) -> list[dict[str, Any]]:
         """The `POST /api/models` body for this engine."""
-        return [{
-            "model": self.served_model_name,
-            "endpoint": self.base_url,
-            "policy_version": self.policy_version,
-        }]
+        return [
+            {
+                "model": self.served_model_name,
+                "endpoint": self.base_url,
+                "policy_version": self.policy_version,
+            }
+        ]
 
-    async def register_with_gateway(
-        self, gateway_url: str, admin_key: str, *, retries: int = 3
-    ) -> None:
+    async def register_with_gateway(self, gateway_url: str, admin_key: str, *, retries: int = 3) -> None:
         """Upsert this endpoint and its `policy_version` in the gateway's model registry."""
         url = f"{gateway_url.rstrip('/')}/api/models"
         headers = {"Authorization": f"Bearer {admin_key}"}

@@ -37,9 +37,15 @@ class EngineWatchdog:
                     f"(actor_rollout_ref.rollout.max_engine_restarts={self.max_restarts}): {failure}"
                 )
             self.restarts += 1
-            log.error("the inference engine died; restarting it (%d of %d): %s", self.restarts, self.max_restarts, failure)
+            log.error(
+                "the inference engine died; restarting it (%d of %d): %s", self.restarts, self.max_restarts, failure
+            )
             seconds = await self.engine.restart()
-            log.warning("the inference engine is back after %.1f s, serving policy version %d", seconds, self.engine.policy_version)
+            log.warning(
+                "the inference engine is back after %.1f s, serving policy version %d",
+                seconds,
+                self.engine.policy_version,
+            )
             return True
 
     async def run(self) -> None:

@@ -116,9 +116,7 @@ class RolloverWorkerExtension:
         )
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         embedding_weights = {
-            id(getattr(m, "weight", None))
-            for m in model.modules()
-            if type(m).__name__ == "VocabParallelEmbedding"
+            id(getattr(m, "weight", None)) for m in model.modules() if type(m).__name__ == "VocabParallelEmbedding"
         }
         refreshed: list[str] = []
         for name, module in model.named_modules():

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -297,13 +298,17 @@ def create_app(
     # -- the proxy ------------------------------------------------------------------------
 
     @app.get("/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1/models")
-    async def proxy_models(request: Request, rollout_id: str, attempt_id: str, mode: Literal["train", "val"]) -> dict[str, Any]:
+    async def proxy_models(
+        request: Request, rollout_id: str, attempt_id: str, mode: Literal["train", "val"]
+    ) -> dict[str, Any]:
         _require_rollout_access(request, rollout_id)
         names = sorted({e.model for e in state.registry.endpoints})
         return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "rollover"} for n in names]}
 
     @app.post("/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1/{endpoint:path}")
-    async def proxy(request: Request, rollout_id: str, attempt_id: str, mode: Literal["train", "val"], endpoint: str) -> Response:
+    async def proxy(
+        request: Request, rollout_id: str, attempt_id: str, mode: Literal["train", "val"], endpoint: str
+    ) -> Response:
         _require_rollout_access(request, rollout_id)
         if endpoint not in ENDPOINTS:
             raise HTTPException(404, f"the proxy serves {', '.join(ENDPOINTS)}, not {endpoint!r}")
@@ -317,12 +322,17 @@ def create_app(
         if refused is not None:
             paused, retry_after_ms = refused
             seconds = paused.retry_after_seconds
-            headers = {"Retry-After": str(int(seconds)) if float(seconds).is_integer() else str(seconds), "X-Agl-Paused": "true"}
+            headers = {
+                "Retry-After": str(int(seconds)) if float(seconds).is_integer() else str(seconds),
+                "X-Agl-Paused": "true",
+            }
             if retry_after_ms is not None:
                 headers["retry-after-ms"] = str(retry_after_ms)
             return JSONResponse({"error": "gateway paused", "reason": paused.reason}, status_code=429, headers=headers)
         try:
-            status_code, data = await _forward_unless_disconnected(request, state, rollout_id, attempt_id, mode, endpoint, body)
+            status_code, data = await _forward_unless_disconnected(
+                request, state, rollout_id, attempt_id, mode, endpoint, body
+            )
         except UpstreamError as exc:
             return error_response(exc.status_code, "upstream error", exc.reason)
         finally:
@@ -335,7 +345,13 @@ def create_app(
 
 
 async def _forward_unless_disconnected(
-    request: Request, state: GatewayState, rollout_id: str, attempt_id: str, mode: Literal["train", "val"], endpoint: str, body: dict[str, Any]
+    request: Request,
+    state: GatewayState,
+    rollout_id: str,
+    attempt_id: str,
+    mode: Literal["train", "val"],
+    endpoint: str,
+    body: dict[str, Any],
 ) -> tuple[int, dict[str, Any]]:
     """Forward the call; if the agent hangs up first, cancel it so the engine stops generating."""
     task = asyncio.create_task(state.forwarder.forward(rollout_id, attempt_id, mode, endpoint, body))

@@ -40,6 +40,4 @@ def is_admin(admin_key: str, key: str | None) -> bool:
 def may_access_rollout(admin_key: str, key: str | None, rollout_id: str) -> bool:
     if key is None:
         return False
-    return is_admin(admin_key, key) or hmac.compare_digest(
-        key.encode(), scoped_key(admin_key, rollout_id).encode()
-    )
+    return is_admin(admin_key, key) or hmac.compare_digest(key.encode(), scoped_key(admin_key, rollout_id).encode())

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal
+from collections.abc import Iterable
+from typing import Any, Literal
 
 import httpx
 
@@ -47,7 +48,7 @@ class GatewayClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def __aenter__(self) -> "GatewayClient":
+    async def __aenter__(self) -> GatewayClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -128,13 +129,20 @@ class GatewayClient:
             await self._request("POST", f"/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", json=body)
         )
 
-    async def events(self, rollout_id: str, event_type: str | None = None, attempt_id: str | None = None) -> list[Event]:
+    async def events(
+        self, rollout_id: str, event_type: str | None = None, attempt_id: str | None = None
+    ) -> list[Event]:
         params = {k: v for k, v in {"event_type": event_type, "attempt_id": attempt_id}.items() if v}
-        return [Event.model_validate(e) for e in await self._request("GET", f"/api/rollouts/{rollout_id}/events", params=params)]
+        return [
+            Event.model_validate(e)
+            for e in await self._request("GET", f"/api/rollouts/{rollout_id}/events", params=params)
+        ]
 
     async def triplets(self, rollout_id: str, attempt_id: str | None = None) -> TripletBundle:
         params = {"format": "triplet", **({"attempt_id": attempt_id} if attempt_id else {})}
-        return TripletBundle.model_validate(await self._request("GET", f"/api/rollouts/{rollout_id}/events", params=params))
+        return TripletBundle.model_validate(
+            await self._request("GET", f"/api/rollouts/{rollout_id}/events", params=params)
+        )
 
     # -- models and pause -----------------------------------------------------------------
 

@@ -46,7 +46,9 @@ class ProxyPauseState:
             paused_seconds_total=round(self._paused_seconds_total(), 6),
         )
 
-    async def pause(self, reason: str | None, retry_after_seconds: float, expected_seconds: float | None = None) -> ProxyState:
+    async def pause(
+        self, reason: str | None, retry_after_seconds: float, expected_seconds: float | None = None
+    ) -> ProxyState:
         async with self._lock:
             if not self.paused:
                 self._paused_since = time.monotonic()
@@ -79,9 +81,7 @@ class ProxyPauseState:
         async with self._changed:
             if wait_drained:
                 try:
-                    await asyncio.wait_for(
-                        self._changed.wait_for(lambda: self.inflight == 0), wait_drained
-                    )
+                    await asyncio.wait_for(self._changed.wait_for(lambda: self.inflight == 0), wait_drained)
                 except asyncio.TimeoutError:
                     pass
             return self._snapshot()
@@ -135,7 +135,9 @@ class ModelRegistry:
         return self.endpoints[digest % len(self.endpoints)]
 
 
-def prepare_request(body: dict[str, Any], endpoint: str, mode: Mode, model: str, settings: ProxySettings) -> dict[str, Any]:
+def prepare_request(
+    body: dict[str, Any], endpoint: str, mode: Mode, model: str, settings: ProxySettings
+) -> dict[str, Any]:
     """Force the served model, the mode's temperature, token ids and (train) logprobs."""
     upstream = dict(body)
     upstream["model"] = model
@@ -180,14 +182,25 @@ def sse_from_response(endpoint: str, response: dict[str, Any]) -> bytes:
         if endpoint == "chat/completions":
             message = choice.get("message") or {}
             delta = {k: v for k, v in message.items() if v is not None}
-            payload_choice = {"index": choice.get("index", 0), "delta": delta, "finish_reason": choice.get("finish_reason")}
+            payload_choice = {
+                "index": choice.get("index", 0),
+                "delta": delta,
+                "finish_reason": choice.get("finish_reason"),
+            }
         else:
-            payload_choice = {"index": choice.get("index", 0), "text": choice.get("text", ""), "finish_reason": choice.get("finish_reason")}
+            payload_choice = {
+                "index": choice.get("index", 0),
+                "text": choice.get("text", ""),
+                "finish_reason": choice.get("finish_reason"),
+            }
         chunk = {k: response.get(k) for k in ("id", "created", "model")}
         chunk.update(object=kind, choices=[payload_choice])
         chunks.append(chunk)
     if response.get("usage"):
-        chunks.append({k: response.get(k) for k in ("id", "created", "model")} | {"object": kind, "choices": [], "usage": response["usage"]})
+        chunks.append(
+            {k: response.get(k) for k in ("id", "created", "model")}
+            | {"object": kind, "choices": [], "usage": response["usage"]}
+        )
     lines = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks] + ["data: [DONE]\n\n"]
     return "".join(lines).encode()
 

@@ -67,7 +67,9 @@ def wait_healthy(url: str, timeout: float = 30.0, process: subprocess.Popen | No
 class GatewayThread:
     """The gateway on a background thread of this process (tests, small demos)."""
 
-    def __init__(self, store_path: str = ":memory:", admin_key: str = "admin", host: str = "127.0.0.1", port: int = 0, **kwargs) -> None:
+    def __init__(
+        self, store_path: str = ":memory:", admin_key: str = "admin", host: str = "127.0.0.1", port: int = 0, **kwargs
+    ) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.admin_key = admin_key
@@ -78,7 +80,7 @@ class GatewayThread:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> "GatewayThread":
+    def start(self) -> GatewayThread:
         self._thread.start()
         wait_healthy(self.url)
         return self
@@ -87,7 +89,7 @@ class GatewayThread:
         self.server.should_exit = True
         self._thread.join(timeout=10)
 
-    def __enter__(self) -> "GatewayThread":
+    def __enter__(self) -> GatewayThread:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -118,11 +120,21 @@ class GatewayProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "GatewayProcess":
+    def start(self, timeout: float = 30.0) -> GatewayProcess:
         args = [
-            sys.executable, "-m", "rollover.cli.main", "gateway",
-            "--host", self.host, "--port", str(self.port),
-            "--store", self.store_path, "--key", self.admin_key, *self.extra_args,
+            sys.executable,
+            "-m",
+            "rollover.cli.main",
+            "gateway",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--store",
+            self.store_path,
+            "--key",
+            self.admin_key,
+            *self.extra_args,
         ]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
@@ -148,7 +160,7 @@ class GatewayProcess:
         except subprocess.TimeoutExpired:
             self.kill()
 
-    def __enter__(self) -> "GatewayProcess":
+    def __enter__(self) -> GatewayProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -49,7 +49,11 @@ def create_stub_app(behaviour: StubBehaviour) -> FastAPI:
         if behaviour.fail_next > 0:
             behaviour.fail_next -= 1
             return JSONResponse({"error": "injected failure"}, status_code=500)
-        delay = float(body.get("metadata", {}).get("stub_delay", behaviour.delay_seconds)) if isinstance(body.get("metadata"), dict) else behaviour.delay_seconds
+        delay = (
+            float(body.get("metadata", {}).get("stub_delay", behaviour.delay_seconds))
+            if isinstance(body.get("metadata"), dict)
+            else behaviour.delay_seconds
+        )
         # Like vLLM, abandon the generation when the caller hangs up.
         deadline = time.monotonic() + delay
         while time.monotonic() < deadline:
@@ -66,32 +70,48 @@ def create_stub_app(behaviour: StubBehaviour) -> FastAPI:
         base = {"id": f"cmpl-{behaviour.completed}", "created": int(time.time()), "model": body.get("model")}
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(response_ids), "total_tokens": 12}
         if kind == "chat":
-            content = [{"token": f"t{t}", "logprob": lp} for t, lp in zip(response_ids, logprobs)] if body.get("logprobs") else None
-            return JSONResponse(base | {
-                "object": "chat.completion",
-                "prompt_token_ids": prompt_ids if body.get("return_token_ids") else None,
-                "choices": [{
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": "stop",
-                    "logprobs": {"content": content} if content else None,
-                    "token_ids": response_ids if body.get("return_token_ids") else None,
-                }],
-                "usage": usage,
-            })
+            content = (
+                [{"token": f"t{t}", "logprob": lp} for t, lp in zip(response_ids, logprobs)]
+                if body.get("logprobs")
+                else None
+            )
+            return JSONResponse(
+                base
+                | {
+                    "object": "chat.completion",
+                    "prompt_token_ids": prompt_ids if body.get("return_token_ids") else None,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": text},
+                            "finish_reason": "stop",
+                            "logprobs": {"content": content} if content else None,
+                            "token_ids": response_ids if body.get("return_token_ids") else None,
+                        }
+                    ],
+                    "usage": usage,
+                }
+            )
         has_logprobs = body.get("logprobs") is not None
-        return JSONResponse(base | {
-            "object": "text_completion",
-            "choices": [{
-                "index": 0,
-                "text": text,
-                "finish_reason": "stop",
-                "logprobs": {"token_logprobs": logprobs, "tokens": [f"t{t}" for t in response_ids]} if has_logprobs else None,
-                "prompt_token_ids": prompt_ids if body.get("return_token_ids") else None,
-                "token_ids": response_ids if body.get("return_token_ids") else None,
-            }],
-            "usage": usage,
-        })
+        return JSONResponse(
+            base
+            | {
+                "object": "text_completion",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": text,
+                        "finish_reason": "stop",
+                        "logprobs": {"token_logprobs": logprobs, "tokens": [f"t{t}" for t in response_ids]}
+                        if has_logprobs
+                        else None,
+                        "prompt_token_ids": prompt_ids if body.get("return_token_ids") else None,
+                        "token_ids": response_ids if body.get("return_token_ids") else None,
+                    }
+                ],
+                "usage": usage,
+            }
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> JSONResponse:
@@ -111,7 +131,14 @@ class StubUpstream:
         self.behaviour = behaviour or StubBehaviour()
         self.host = host
         self.port = free_port(host)
-        config = uvicorn.Config(create_stub_app(self.behaviour), host=host, port=self.port, log_level="warning", access_log=False, backlog=4096)
+        config = uvicorn.Config(
+            create_stub_app(self.behaviour),
+            host=host,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            backlog=4096,
+        )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name="stub-upstream", daemon=True)
 
@@ -119,7 +146,7 @@ class StubUpstream:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
-    def start(self) -> "StubUpstream":
+    def start(self) -> StubUpstream:
         self._thread.start()
         wait_healthy(f"http://{self.host}:{self.port}")
         return self
@@ -128,7 +155,7 @@ class StubUpstream:
         self.server.should_exit = True
         self._thread.join(timeout=10)
 
-    def __enter__(self) -> "StubUpstream":
+    def __enter__(self) -> StubUpstream:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -7,8 +7,9 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from rich.console import Console
 
@@ -65,8 +66,12 @@ class MetricsLogger:
             # Offline unless the user asked for online explicitly: runs never need a network.
             mode = os.environ.get("WANDB_MODE", "offline")
             self._wandb = wandb.init(
-                project=project, name=experiment, dir=str(self.run_dir), mode=mode,
-                config=dict(config or {}), reinit="finish_previous",
+                project=project,
+                name=experiment,
+                dir=str(self.run_dir),
+                mode=mode,
+                config=dict(config or {}),
+                reinit="finish_previous",
             )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:

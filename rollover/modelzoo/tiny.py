@@ -45,18 +45,141 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
-_WORDS = (
-    "the a an of to and in is it that for on with as at by from be this are was or not "
-    "what how many much total sum difference product quotient result answer question "
-    "number numbers plus minus times divided add subtract multiply divide equals equal "
-    "apples oranges books coins cars boxes students days hours minutes dollars cents "
-    "has have had buys sells gives gets left more less each every per remaining "
-    "calculate calculator tool call use compute expression value final think step "
-    "first then next so therefore because if else yes no true false error "
-    "you are helpful assistant user system reply only with format please "
-    "file test tests pass fail fix bug code function return import def class "
-    "look go take open move room door north south east west inventory"
-).split()
+_WORDS = [
+    "the",
+    "a",
+    "an",
+    "of",
+    "to",
+    "and",
+    "in",
+    "is",
+    "it",
+    "that",
+    "for",
+    "on",
+    "with",
+    "as",
+    "at",
+    "by",
+    "from",
+    "be",
+    "this",
+    "are",
+    "was",
+    "or",
+    "not",
+    "what",
+    "how",
+    "many",
+    "much",
+    "total",
+    "sum",
+    "difference",
+    "product",
+    "quotient",
+    "result",
+    "answer",
+    "question",
+    "number",
+    "numbers",
+    "plus",
+    "minus",
+    "times",
+    "divided",
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "equals",
+    "equal",
+    "apples",
+    "oranges",
+    "books",
+    "coins",
+    "cars",
+    "boxes",
+    "students",
+    "days",
+    "hours",
+    "minutes",
+    "dollars",
+    "cents",
+    "has",
+    "have",
+    "had",
+    "buys",
+    "sells",
+    "gives",
+    "gets",
+    "left",
+    "more",
+    "less",
+    "each",
+    "every",
+    "per",
+    "remaining",
+    "calculate",
+    "calculator",
+    "tool",
+    "call",
+    "use",
+    "compute",
+    "expression",
+    "value",
+    "final",
+    "think",
+    "step",
+    "first",
+    "then",
+    "next",
+    "so",
+    "therefore",
+    "because",
+    "if",
+    "else",
+    "yes",
+    "no",
+    "true",
+    "false",
+    "error",
+    "you",
+    "are",
+    "helpful",
+    "assistant",
+    "user",
+    "system",
+    "reply",
+    "only",
+    "with",
+    "format",
+    "please",
+    "file",
+    "test",
+    "tests",
+    "pass",
+    "fail",
+    "fix",
+    "bug",
+    "code",
+    "function",
+    "return",
+    "import",
+    "def",
+    "class",
+    "look",
+    "go",
+    "take",
+    "open",
+    "move",
+    "room",
+    "door",
+    "north",
+    "south",
+    "east",
+    "west",
+    "inventory",
+]
 
 _TOOL_NAMES = ("calculator", "python", "search", "read_file", "write_file", "run_tests")
 
@@ -85,10 +208,7 @@ def _builtin_corpus(seed: int, n_lines: int = 4000) -> Iterator[str]:
             yield f"{IM_START}{role}\n{words}{IM_END}\n"
         else:
             tool = rng.choice(_TOOL_NAMES)
-            yield (
-                f'<tool_call>\n{{"name": "{tool}", "arguments": {{"expression": "{a}{op}{b}"}}}}'
-                f"\n</tool_call>"
-            )
+            yield (f'<tool_call>\n{{"name": "{tool}", "arguments": {{"expression": "{a}{op}{b}"}}}}\n</tool_call>')
 
 
 def _train_tokenizer(corpus: Iterable[str], vocab_size: int):  # -> tokenizers.Tokenizer
@@ -180,7 +300,10 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = build_tiny_tokenizer(
-        out, vocab_size=vocab_size, corpus=corpus, seed=seed,
+        out,
+        vocab_size=vocab_size,
+        corpus=corpus,
+        seed=seed,
         model_max_length=max_position_embeddings,
     )
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
@@ -210,11 +333,7 @@ def build_tiny_model(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Only eos/pad: vLLM copies sampling defaults (temperature, top_p, ...) from
     # generation_config.json, and we want requests to mean exactly what they say.
-    model.generation_config = GenerationConfig(
-        eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, bos_token_id=None
-    )
+    model.generation_config = GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, bos_token_id=None)
     model.save_pretrained(str(out), safe_serialization=True)
-    (out / "rollover_model.json").write_text(
-        json.dumps({"kind": "tiny", "arch": arch, "seed": seed}, indent=2) + "\n"
-    )
+    (out / "rollover_model.json").write_text(json.dumps({"kind": "tiny", "arch": arch, "seed": seed}, indent=2) + "\n")
     return out

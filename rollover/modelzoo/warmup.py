@@ -31,12 +31,8 @@ def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not JSON: {e}") from None
             messages = row.get("messages") if isinstance(row, dict) else row
-            if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and "role" in m for m in messages
-            ):
-                raise ValueError(
-                    f"{path}:{lineno}: expected a list of messages or {{\"messages\": [...]}}"
-                )
+            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+                raise ValueError(f'{path}:{lineno}: expected a list of messages or {{"messages": [...]}}')
             chats.append(messages)
     return chats
 
@@ -44,9 +40,7 @@ def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
 def _render(tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool) -> str:
     if not messages:
         return ""
-    text = tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
     return str(text)
 
 
@@ -126,9 +120,19 @@ def sft_warmup(
         torch.set_num_threads(num_threads)
     try:
         return _train(
-            model_dir, examples, out_dir, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
-            max_length=max_length, weight_decay=weight_decay, warmup_steps=warmup_steps,
-            grad_clip=grad_clip, device=device, log_every=log_every,
+            model_dir,
+            examples,
+            out_dir,
+            steps=steps,
+            lr=lr,
+            batch_size=batch_size,
+            seed=seed,
+            max_length=max_length,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            grad_clip=grad_clip,
+            device=device,
+            log_every=log_every,
         )
     finally:
         torch.set_num_threads(previous_threads)
@@ -166,9 +170,7 @@ def _train(
         raise ValueError("no example has an assistant turn to learn from")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    optim = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay
-    )
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
 
     def lr_at(step: int) -> float:
         if step < warmup_steps:

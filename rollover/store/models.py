@@ -22,9 +22,7 @@ class RolloutState(str, Enum):
 LEGAL_TRANSITIONS: dict[RolloutState, frozenset[RolloutState]] = {
     RolloutState.QUEUING: frozenset({RolloutState.RUNNING, RolloutState.FAILED}),
     # running -> queuing re-queues a failed attempt that has retries left
-    RolloutState.RUNNING: frozenset(
-        {RolloutState.SUCCEEDED, RolloutState.FAILED, RolloutState.QUEUING}
-    ),
+    RolloutState.RUNNING: frozenset({RolloutState.SUCCEEDED, RolloutState.FAILED, RolloutState.QUEUING}),
     RolloutState.SUCCEEDED: frozenset(),
     RolloutState.FAILED: frozenset(),
 }
@@ -69,7 +67,7 @@ class RolloutStatus(_Wire):
 class StatusPatch(_Wire):
     """Body of `PATCH /api/rollouts/{id}`: only `status` may change."""
 
-    status: "StatusFields"
+    status: StatusFields
 
 
 class StatusFields(_Wire):
@@ -109,9 +107,7 @@ class Rollout(_Wire):
 
     @property
     def aborted(self) -> bool:
-        return self.state == RolloutState.FAILED and (self.status.error_message or "").startswith(
-            ABORTED_PREFIX
-        )
+        return self.state == RolloutState.FAILED and (self.status.error_message or "").startswith(ABORTED_PREFIX)
 
 
 class EventCreate(_Wire):

@@ -13,9 +13,10 @@ import json
 import sqlite3
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, TypeVar
 
 from rollover.store.models import (
     LEGAL_TRANSITIONS,
@@ -216,12 +217,9 @@ class RolloutStore:
                 if target == RolloutState.RUNNING:
                     attempt_id = fields.last_attempt_id or f"a{len(current.attempts) + 1}"
                     if any(a.attempt_id == attempt_id for a in current.attempts):
-                        raise IllegalTransition(
-                            f"attempt {attempt_id} of rollout {rollout_id} already exists"
-                        )
+                        raise IllegalTransition(f"attempt {attempt_id} of rollout {rollout_id} already exists")
                     conn.execute(
-                        "INSERT INTO attempts (rollout_id, attempt_id, state, started_at)"
-                        " VALUES (?, ?, ?, ?)",
+                        "INSERT INTO attempts (rollout_id, attempt_id, state, started_at) VALUES (?, ?, ?, ?)",
                         (rollout_id, attempt_id, RolloutState.RUNNING.value, now),
                     )
                     changes.update(last_attempt_id=attempt_id, started_at=now)
@@ -268,8 +266,7 @@ class RolloutStore:
                 raise AttemptNotFound(f"rollout {rollout_id} has no attempt {attempt_id}")
             now = time.time()
             cursor = conn.execute(
-                "INSERT INTO events (rollout_id, attempt_id, event_type, data, created_at)"
-                " VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO events (rollout_id, attempt_id, event_type, data, created_at) VALUES (?, ?, ?, ?, ?)",
                 (rollout_id, attempt_id, event.event_type, json.dumps(event.data), now),
             )
             return Event(
@@ -335,9 +332,7 @@ class RolloutStore:
                         policy_version=data.get("policy_version"),
                     )
                 )
-        return TripletBundle(
-            rollout_id=rollout_id, attempt_id=attempt_id, reward=reward, triplets=triplets
-        )
+        return TripletBundle(rollout_id=rollout_id, attempt_id=attempt_id, reward=reward, triplets=triplets)
 
     # -- rows -----------------------------------------------------------------------------
 
@@ -354,8 +349,7 @@ class RolloutStore:
         for start in range(0, len(rollout_ids), 500):
             chunk = rollout_ids[start : start + 500]
             rows = conn.execute(
-                f"SELECT * FROM attempts WHERE rollout_id IN ({','.join('?' * len(chunk))})"
-                " ORDER BY started_at",
+                f"SELECT * FROM attempts WHERE rollout_id IN ({','.join('?' * len(chunk))}) ORDER BY started_at",
                 chunk,
             ).fetchall()
             for row in rows:

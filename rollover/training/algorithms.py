@@ -38,9 +38,7 @@ def compute_advantages(
     ``A = s`` for it rather than NaN or 0. Groups need not be contiguous.
     """
     if estimator not in ("grpo", "rloo"):
-        raise ValueError(
-            f"algorithm.adv_estimator must be 'grpo' or 'rloo', got {estimator!r}"
-        )
+        raise ValueError(f"algorithm.adv_estimator must be 'grpo' or 'rloo', got {estimator!r}")
     if rewards.dim() != 1 or rewards.shape[0] != len(group_ids):
         raise ValueError(
             f"rewards must be 1-D with one entry per group id; got shape "
@@ -103,15 +101,10 @@ def rollout_correction_weights(
     if mode is None:
         return None, {}
     if mode not in ("token", "sequence"):
-        raise ValueError(
-            "algorithm.rollout_correction.rollout_is must be null, 'token' or 'sequence', "
-            f"got {mode!r}"
-        )
+        raise ValueError(f"algorithm.rollout_correction.rollout_is must be null, 'token' or 'sequence', got {mode!r}")
     valid = mask.bool()
     zeros = torch.zeros_like(old_logprobs, dtype=torch.float32)
-    log_ratio = torch.where(
-        valid, old_logprobs.detach().float() - behaviour_logprobs.detach().float(), zeros
-    )
+    log_ratio = torch.where(valid, old_logprobs.detach().float() - behaviour_logprobs.detach().float(), zeros)
 
     if mode == "token":
         raw = torch.exp(log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))

@@ -44,9 +44,7 @@ def token_logprobs(
     return torch.cat(chunks, dim=0)
 
 
-def _next_token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float
-) -> torch.Tensor:
+def _next_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     # log p(y) = z_y - logsumexp(z): gathering first avoids materialising a second [b, L, V]
     # log-softmax tensor; float32 keeps the normaliser accurate for bf16 models.
     scaled = logits.float()

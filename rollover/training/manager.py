@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Protocol
 
 from rollover.store.models import RolloutState
 
@@ -46,7 +47,7 @@ class TrackedRollout:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "TrackedRollout":
+    def from_json(cls, data: dict[str, Any]) -> TrackedRollout:
         return cls(
             rollout_id=data["rollout_id"],
             data_id=data["data_id"],

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -63,13 +63,17 @@ class Policy:
             rng.shuffle(order)
             for start in range(0, len(order), mini):
                 chunk = [prepared[i] for i in order[start : start + mini]]
-                metrics, tokens = self._optimizer_step(chunk, correction.rollout_is, correction.rollout_is_threshold, temperature)
+                metrics, tokens = self._optimizer_step(
+                    chunk, correction.rollout_is, correction.rollout_is_threshold, temperature
+                )
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value * tokens
                 total_tokens += tokens
         return {key: value / max(total_tokens, 1) for key, value in sums.items()}
 
-    def _with_old_logprobs(self, samples: Sequence[Sample], temperature: float) -> list[list[tuple[Sample, dict[str, torch.Tensor]]]]:
+    def _with_old_logprobs(
+        self, samples: Sequence[Sample], temperature: float
+    ) -> list[list[tuple[Sample, dict[str, torch.Tensor]]]]:
         """Per-sample tensors (unpadded) with π_old attached, computed in micro-batches."""
         out = []
         size = self.config.actor_rollout_ref.actor.ppo_micro_batch_size
@@ -112,8 +116,13 @@ class Policy:
             weights, corr_metrics = rollout_correction_weights(old, behaviour, mask, rollout_is, threshold)
             logprobs = token_logprobs(self.model, t["input_ids"], t["attention_mask"], temperature=temperature)
             loss, metrics = ppo_policy_loss(
-                logprobs, old, t["advantages"], mask,
-                clip_ratio=actor.clip_ratio, clip_ratio_c=actor.clip_ratio_c, is_weights=weights,
+                logprobs,
+                old,
+                t["advantages"],
+                mask,
+                clip_ratio=actor.clip_ratio,
+                clip_ratio_c=actor.clip_ratio_c,
+                is_weights=weights,
             )
             part_tokens = int(mask.sum().item())
             # Token-mean over the whole mini-batch, accumulated across micro-batches.

@@ -10,8 +10,9 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rollover.config import ConfigError, RolloverConfig, check_async_rollout, dump_config
 
@@ -133,12 +134,18 @@ async def _run(config: RolloverConfig, shared_engine: Any = None) -> int:
         port=config.gateway.port,
         log_path=run_dir / "gateway.log",
         extra_args=[
-            "--train-temperature", str(rollout.temperature),
-            "--val-temperature", str(rollout.val_kwargs.temperature),
-            "--retry-after", str(config.gateway.retry_after_seconds),
-            "--upstream-timeout", str(config.gateway.upstream_timeout_seconds),
-            "--upstream-retries", str(config.gateway.upstream_retries),
-            "--max-body-bytes", str(config.gateway.max_body_bytes),
+            "--train-temperature",
+            str(rollout.temperature),
+            "--val-temperature",
+            str(rollout.val_kwargs.temperature),
+            "--retry-after",
+            str(config.gateway.retry_after_seconds),
+            "--upstream-timeout",
+            str(config.gateway.upstream_timeout_seconds),
+            "--upstream-retries",
+            str(config.gateway.upstream_retries),
+            "--max-body-bytes",
+            str(config.gateway.max_body_bytes),
         ],
     )
     device = pick_device(config.trainer.device).type
@@ -189,7 +196,10 @@ async def _run(config: RolloverConfig, shared_engine: Any = None) -> int:
             if checkpoint is not None:
                 _restore(trainer, policy, checkpoint)
                 stranded = await trainer.reconcile_after_restart()
-                print(f"resumed {checkpoint.name}: step {trainer.global_step}, aborted {stranded} stranded rollouts", file=sys.stderr)
+                print(
+                    f"resumed {checkpoint.name}: step {trainer.global_step}, aborted {stranded} stranded rollouts",
+                    file=sys.stderr,
+                )
             engine.policy_version = trainer.policy_version
             engine.attach_gateway(gateway.url, admin_key)
             await engine.register_with_gateway(gateway.url, admin_key)

@@ -193,7 +193,11 @@ def _durations_from_jsonl(path: Path) -> list[float]:
             except ValueError:
                 raise ValueError(f"{path}:{number}: not valid JSON") from None
             value = item.get("duration_s") if isinstance(item, dict) else None
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value > 0)
+            ):
                 raise ValueError(f'{path}:{number}: expected {{"duration_s": <seconds > 0>}}, got {line.strip()[:80]}')
             values.append(float(value))
     if not values:
@@ -435,7 +439,9 @@ class ConsumedRollout:
 class SimulatedGateway:
     """The `GatewayClient` calls the Trainer makes, answered from the simulated backend."""
 
-    def __init__(self, backend: SimulatedBackend, pause_freezes_rollouts: bool = True, drain_seconds: float = 0.0) -> None:
+    def __init__(
+        self, backend: SimulatedBackend, pause_freezes_rollouts: bool = True, drain_seconds: float = 0.0
+    ) -> None:
         self.backend = backend
         self.pause_freezes_rollouts = pause_freezes_rollouts
         self.drain_seconds = drain_seconds
@@ -706,6 +712,7 @@ def recommend(results: Sequence[SimulationResult], max_staleness: int, tolerance
 
 # -- the command ----------------------------------------------------------------------------
 
+
 def _count(minimum: int) -> Any:
     def parse(text: str) -> int:
         try:
@@ -791,8 +798,18 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="the trainer's agentlightning.async_rollout.max_carry_over_age_steps (default none)",
     )
-    parser.add_argument("--max-staleness", type=_count(0), default=4, help="recommend no window whose max carry-over age exceeds this (default 4)")
-    parser.add_argument("--tolerance", type=_fraction, default=0.05, help="throughput within this fraction of the best counts as best (default 0.05)")
+    parser.add_argument(
+        "--max-staleness",
+        type=_count(0),
+        default=4,
+        help="recommend no window whose max carry-over age exceeds this (default 4)",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=_fraction,
+        default=0.05,
+        help="throughput within this fraction of the best counts as best (default 0.05)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser

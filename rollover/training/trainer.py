@@ -8,9 +8,10 @@ import logging
 import random
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 import httpx
 import torch
@@ -208,7 +209,9 @@ class Trainer:
                 n_missing_reward += 1
                 reward = fill
             triplets = [t.model_dump() for t in bundle.triplets]
-            samples = build_samples(rollout.rollout_id, rollout.data_id, triplets, reward, max_length) if triplets else []
+            samples = (
+                build_samples(rollout.rollout_id, rollout.data_id, triplets, reward, max_length) if triplets else []
+            )
             rewards.append(reward)
             group_ids.append(rollout.data_id)
             per_rollout_samples.append(samples)
@@ -239,7 +242,9 @@ class Trainer:
 
     # -- the step -------------------------------------------------------------------------
 
-    def _async_metrics(self, step: int, n_prev_carry_over: int, result: GroupedResult, inflight: int, drain: float) -> dict[str, float]:
+    def _async_metrics(
+        self, step: int, n_prev_carry_over: int, result: GroupedResult, inflight: int, drain: float
+    ) -> dict[str, float]:
         completed = [r for g in result.completed_groups for r in g]
         # Updates the carry-over has lived through once this step's update is done.
         ages = [step + 1 - r.enqueued_step for r in result.new_carry_over_rollouts]
@@ -407,7 +412,9 @@ class Trainer:
             if trainer_cfg.test_freq and self.global_step % trainer_cfg.test_freq == 0 and not last:
                 metrics.update(await self.validate())
             self._log(metrics)
-            if self.run_dir is not None and (last or (trainer_cfg.save_freq and self.global_step % trainer_cfg.save_freq == 0)):
+            if self.run_dir is not None and (
+                last or (trainer_cfg.save_freq and self.global_step % trainer_cfg.save_freq == 0)
+            ):
                 self.save_checkpoint(optimizer)
         await self.abort_carry_over("training finished")
         val = await self.validate()

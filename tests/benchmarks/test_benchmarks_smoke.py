@@ -63,8 +63,22 @@ def test_simulate_vs_measured_smoke(tmp_path, capsys):
     rng = random.Random(0)
     durations = tmp_path / "durations.jsonl"
     durations.write_text("".join(json.dumps({"duration_s": rng.lognormvariate(0, 1)}) + "\n" for _ in range(24)))
-    argv = ["--durations", str(durations), "--update-seconds", "0.5", "--measured-speedup", "1.3",
-            "--batch", "2", "--n", "2", "--updates", "3", "--sim-seeds", "2"]
+    argv = [
+        "--durations",
+        str(durations),
+        "--update-seconds",
+        "0.5",
+        "--measured-speedup",
+        "1.3",
+        "--batch",
+        "2",
+        "--n",
+        "2",
+        "--updates",
+        "3",
+        "--sim-seeds",
+        "2",
+    ]
     assert simulate_vs_measured.main(argv) == 0
     text = capsys.readouterr().out
     with capsys.disabled():

@@ -10,7 +10,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def rollover(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "rollover.cli.main", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "rollover.cli.main", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_help_lists_every_command():
@@ -42,6 +44,13 @@ def test_train_missing_config_file():
 
 
 def test_controller_bad_agent_class_names_the_key():
-    result = rollover("controller", "--gateway", "http://127.0.0.1:9", "--key", "k", "agentlightning.local.agent_class=no_such_module:Agent")
+    result = rollover(
+        "controller",
+        "--gateway",
+        "http://127.0.0.1:9",
+        "--key",
+        "k",
+        "agentlightning.local.agent_class=no_such_module:Agent",
+    )
     assert result.returncode == 2
     assert "agentlightning.local.agent_class" in result.stderr

@@ -4,15 +4,16 @@ import asyncio
 import os
 import time
 import uuid
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 
 from rollover.config import AgentLightningConfig, validate_config
-from rollover.processes import group_members
 from rollover.gateway.client import GatewayClient
 from rollover.gateway.server import GatewayThread
+from rollover.processes import group_members
 from rollover.store.models import Rollout
 
 ADMIN_KEY = "admin"
@@ -39,7 +40,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
-async def wait_for_rollout(client: GatewayClient, rollout_id: str, predicate: Any = None, timeout: float = 20.0) -> Rollout:
+async def wait_for_rollout(
+    client: GatewayClient, rollout_id: str, predicate: Any = None, timeout: float = 20.0
+) -> Rollout:
     predicate = predicate or (lambda r: r.state.terminal)
     deadline = time.monotonic() + timeout
     while True:

@@ -13,7 +13,6 @@ from rollover.controller import Controller
 from rollover.gateway.client import GatewayClient
 from rollover.gateway.server import GatewayThread
 from rollover.store.models import RolloutCreate, RolloutState
-
 from tests.controller.conftest import ADMIN_KEY, alive, make_config, new_id, read_pids, wait_for_rollout, wait_gone
 
 AGENTS = "tests.controller.agents"
@@ -51,7 +50,9 @@ async def test_a_dead_fork_server_fails_its_agents_and_is_restarted(client: Gate
         await wait_gone(pids, timeout=5.0)  # the agent and its grandchild die with the server
         # The next attempt gets a new server.
         after = new_id("after")
-        await client.enqueue([RolloutCreate(rollout_id=after, input={"pid_file": str(tmp_path / "after.pids"), "seconds": 0})])
+        await client.enqueue(
+            [RolloutCreate(rollout_id=after, input={"pid_file": str(tmp_path / "after.pids"), "seconds": 0})]
+        )
         assert (await wait_for_rollout(client, after)).state == RolloutState.SUCCEEDED
         [restarted] = fork_servers_of(os.getpid())
         assert restarted != server
@@ -64,12 +65,27 @@ def test_kill_9_of_the_controller_takes_the_fork_server_and_agents_down(gateway:
     pid_file = tmp_path / "orphan.pids"
     rollout_id = new_id("orphan")
     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    httpx.post(f"{gateway.url}/api/rollouts", json=[{"rollout_id": rollout_id, "input": {"pid_file": str(pid_file)}}],
-               headers=headers).raise_for_status()
+    httpx.post(
+        f"{gateway.url}/api/rollouts",
+        json=[{"rollout_id": rollout_id, "input": {"pid_file": str(pid_file)}}],
+        headers=headers,
+    ).raise_for_status()
     process = subprocess.Popen(
-        [sys.executable, "-m", "rollover.cli.main", "controller", "--gateway", gateway.url, "--key", ADMIN_KEY,
-         "--runner", "local", f"agentlightning.local.agent_class={AGENTS}:SleepAgent"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "rollover.cli.main",
+            "controller",
+            "--gateway",
+            gateway.url,
+            "--key",
+            ADMIN_KEY,
+            "--runner",
+            "local",
+            f"agentlightning.local.agent_class={AGENTS}:SleepAgent",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 30
@@ -90,5 +106,8 @@ def test_kill_9_of_the_controller_takes_the_fork_server_and_agents_down(gateway:
         if process.poll() is None:
             process.kill()
             process.wait()
-    httpx.patch(f"{gateway.url}/api/rollouts/{rollout_id}", json={"status": {"state": "failed", "error_message": "aborted: test over"}},
-                headers=headers)
+    httpx.patch(
+        f"{gateway.url}/api/rollouts/{rollout_id}",
+        json={"status": {"state": "failed", "error_message": "aborted: test over"}},
+        headers=headers,
+    )

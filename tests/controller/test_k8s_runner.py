@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import kmock
 import pytest
@@ -23,7 +24,6 @@ from rollover.controller.k8s import TokenBucket, job_name_for, label_value, yaml
 from rollover.gateway.client import GatewayClient
 from rollover.gateway.server import GatewayThread
 from rollover.store.models import RolloutCreate, RolloutState
-
 from tests.controller.conftest import make_config, new_id, wait_for_rollout
 
 NAMESPACE = "agents"
@@ -113,14 +113,20 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
         emulator.resources["batch/v1/jobs"] = kmock.ResourceInfo(kind="Job", namespaced=True)
         url = str(server.url).rstrip("/")
         kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "kmock", "cluster": {"server": url}}],
-            "users": [{"name": "test", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "test", "namespace": NAMESPACE}}],
-            "current-context": "kmock",
-        }))
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "kmock", "cluster": {"server": url}}],
+                    "users": [{"name": "test", "user": {"token": "test-token"}}],
+                    "contexts": [
+                        {"name": "kmock", "context": {"cluster": "kmock", "user": "test", "namespace": NAMESPACE}}
+                    ],
+                    "current-context": "kmock",
+                }
+            )
+        )
         async with k8s_client.ApiClient(k8s_client.Configuration(host=url)) as api:
             yield Cluster(emulator, url, kubeconfig, api)
 
@@ -146,7 +152,9 @@ def template(tmp_path: Path) -> Path:
 
 
 @asynccontextmanager
-async def controller(client: GatewayClient, cluster: Cluster, template: Path, **settings: Any) -> AsyncIterator[Controller]:
+async def controller(
+    client: GatewayClient, cluster: Cluster, template: Path, **settings: Any
+) -> AsyncIterator[Controller]:
     async with Controller(k8s_config(cluster, template, **settings), client, poll_interval=0.1) as running:
         yield running
 
@@ -168,10 +176,17 @@ async def test_job_manifest_is_the_template_plus_forced_fields(
         running = await wait_for_rollout(client, rollout_id, lambda r: r.status.k8s_job_name is not None)
         assert running.status.k8s_job_name == name
 
-        labels = {"rollover.dev/rollout-id": rollout_id, "rollover.dev/attempt-id": "a1", "app.kubernetes.io/managed-by": "rollover"}
+        labels = {
+            "rollover.dev/rollout-id": rollout_id,
+            "rollover.dev/attempt-id": "a1",
+            "app.kubernetes.io/managed-by": "rollover",
+        }
         env = [
             {"name": "KEEP", "value": "kept"},
-            {"name": "AGL_OPENAI_BASE_URL", "value": f"{POD_GATEWAY}/proxy/rollout/{rollout_id}/attempt/a1/mode/train/openai/v1"},
+            {
+                "name": "AGL_OPENAI_BASE_URL",
+                "value": f"{POD_GATEWAY}/proxy/rollout/{rollout_id}/attempt/a1/mode/train/openai/v1",
+            },
             {"name": "AGL_EVENT_URL", "value": f"{POD_GATEWAY}/api/rollouts/{rollout_id}/attempt/a1/events"},
             {"name": "AGL_KEY", "value": client.scoped_key(rollout_id)},
             {"name": "AGL_ROLLOUT_ID", "value": rollout_id},
@@ -192,7 +207,12 @@ async def test_job_manifest_is_the_template_plus_forced_fields(
                         "restartPolicy": "Never",
                         "initContainers": [{"name": "init", "image": "busybox", "env": env[1:]}],
                         "containers": [
-                            {"name": "agent", "image": "agent:1", "args": ["--question", question, "--job", name], "env": env}
+                            {
+                                "name": "agent",
+                                "image": "agent:1",
+                                "args": ["--question", question, "--job", name],
+                                "env": env,
+                            }
                         ],
                     },
                 },
@@ -211,8 +231,12 @@ async def test_failed_conditions_fail_the_rollout(client: GatewayClient, cluster
         deadline_id = await enqueue(client, "deadline")
         await cluster.wait_job(f"{failed_id}-a1")
         await cluster.wait_job(f"{deadline_id}-a1")
-        await cluster.set_condition(f"{failed_id}-a1", "Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")
-        await cluster.set_condition(f"{deadline_id}-a1", "Failed", "DeadlineExceeded", "Job was active longer than specified deadline")
+        await cluster.set_condition(
+            f"{failed_id}-a1", "Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit"
+        )
+        await cluster.set_condition(
+            f"{deadline_id}-a1", "Failed", "DeadlineExceeded", "Job was active longer than specified deadline"
+        )
         failed = await wait_for_rollout(client, failed_id)
         deadline = await wait_for_rollout(client, deadline_id)
     assert failed.state == RolloutState.FAILED
@@ -264,7 +288,9 @@ async def test_pause_pushes_the_job_deadline_out(client: GatewayClient, cluster:
         assert (await wait_for_rollout(client, rollout_id)).state == RolloutState.SUCCEEDED
 
 
-async def test_jobs_are_created_no_faster_than_the_rate_limit(client: GatewayClient, cluster: Cluster, template: Path) -> None:
+async def test_jobs_are_created_no_faster_than_the_rate_limit(
+    client: GatewayClient, cluster: Cluster, template: Path
+) -> None:
     count, per_minute = 6, 600  # one Job per 0.1 s
     async with controller(client, cluster, template, k8s={"jobs_per_minute": per_minute}):
         ids = [await enqueue(client, "rate") for _ in range(count)]
@@ -315,7 +341,10 @@ async def test_a_rollout_can_bring_its_own_template(client: GatewayClient, clust
     [
         (None, "not found"),
         ("apiVersion: v1\nkind: Pod\nspec: {}\n", "batch/v1"),
-        ("apiVersion: batch/v1\nkind: Job\nspec:\n  template:\n    spec:\n      containers: []\n", "containers is empty"),
+        (
+            "apiVersion: batch/v1\nkind: Job\nspec:\n  template:\n    spec:\n      containers: []\n",
+            "containers is empty",
+        ),
         ("apiVersion: batch/v1\nkind: Job\nspec: {{ job_name\n", "Jinja syntax error"),
         ("apiVersion: batch/v1\nkind: Job\nspec: [unclosed\n", "valid YAML"),
     ],
@@ -339,8 +368,21 @@ async def test_missing_template_path_is_a_clear_error(client: GatewayClient) -> 
 
 @pytest.mark.parametrize(
     "value",
-    ["plain", 'quote " and \\ backslash', "a: b\n- c\n# d", "tab\tnel\x85ls\u2028", "emoji 😀 漢字", "yes", "null", "123", "", 7, True, None,
-     {"nested": [1, "two"]}],
+    [
+        "plain",
+        'quote " and \\ backslash',
+        "a: b\n- c\n# d",
+        "tab\tnel\x85ls\u2028",
+        "emoji 😀 漢字",
+        "yes",
+        "null",
+        "123",
+        "",
+        7,
+        True,
+        None,
+        {"nested": [1, "two"]},
+    ],
 )
 def test_yaml_escape_round_trips(value: Any) -> None:
     expected = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
@@ -380,4 +422,7 @@ def test_the_shipped_example_template_renders() -> None:
     template = JobTemplate.from_path(str(path), "example")
     template.check()
     job = template.render(input={"question": 'a "quoted": question'}, job_name="r-a1", rollout_id="r", attempt_id="a1")
-    assert job["spec"]["template"]["spec"]["containers"][0]["env"][0] == {"name": "TASK_QUESTION", "value": 'a "quoted": question'}
+    assert job["spec"]["template"]["spec"]["containers"][0]["env"][0] == {
+        "name": "TASK_QUESTION",
+        "value": 'a "quoted": question',
+    }

@@ -10,9 +10,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,6 @@ from rollover.controller import Controller, ControllerConfigError
 from rollover.gateway.client import GatewayClient
 from rollover.gateway.server import GatewayThread, free_port
 from rollover.store.models import RolloutCreate, RolloutState
-
 from tests.controller.conftest import (
     ADMIN_KEY,
     alive,
@@ -59,7 +59,9 @@ async def enqueue(client: GatewayClient, prefix: str, input: Any = None, **field
     return rollout_id
 
 
-async def test_success_reports_reward_sync_and_async_agents(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
+async def test_success_reports_reward_sync_and_async_agents(
+    client: GatewayClient, tmp_path: Path, controller: Any
+) -> None:
     async with controller(client, tmp_path, "RewardAgent"):
         sync_id = await enqueue(client, "ok", {"reward": 0.75})
         async_id = await enqueue(client, "ok-async", config={"local": {"agent_class": f"{AGENTS}:AsyncRewardAgent"}})
@@ -73,7 +75,9 @@ async def test_success_reports_reward_sync_and_async_agents(client: GatewayClien
     assert (tmp_path / "logs" / f"{sync_id}.a1.log").exists()
 
 
-async def test_non_daemon_threads_finish_before_the_agent_exits(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
+async def test_non_daemon_threads_finish_before_the_agent_exits(
+    client: GatewayClient, tmp_path: Path, controller: Any
+) -> None:
     async with controller(client, tmp_path, "ThreadedAgent"):
         rollout_id = await enqueue(client, "thread")
         done = await wait_for_rollout(client, rollout_id)
@@ -81,7 +85,9 @@ async def test_non_daemon_threads_finish_before_the_agent_exits(client: GatewayC
     assert (await client.triplets(rollout_id)).reward == 0.25
 
 
-async def test_nonzero_exit_fails_with_exit_code_and_log_tail(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
+async def test_nonzero_exit_fails_with_exit_code_and_log_tail(
+    client: GatewayClient, tmp_path: Path, controller: Any
+) -> None:
     async with controller(client, tmp_path, "FailingAgent"):
         rollout_id = await enqueue(client, "exit")
         done = await wait_for_rollout(client, rollout_id)
@@ -127,12 +133,17 @@ async def test_paused_time_does_not_count(client: GatewayClient, tmp_path: Path,
     assert done.state == RolloutState.SUCCEEDED, done.status
 
 
-async def test_failed_attempt_is_retried_and_events_of_both_kept(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
+async def test_failed_attempt_is_retried_and_events_of_both_kept(
+    client: GatewayClient, tmp_path: Path, controller: Any
+) -> None:
     async with controller(client, tmp_path, "FlakyAgent", max_attempts=2):
         rollout_id = await enqueue(client, "flaky")
         done = await wait_for_rollout(client, rollout_id)
     assert done.state == RolloutState.SUCCEEDED, done.status
-    assert [(a.attempt_id, a.state) for a in done.attempts] == [("a1", RolloutState.FAILED), ("a2", RolloutState.SUCCEEDED)]
+    assert [(a.attempt_id, a.state) for a in done.attempts] == [
+        ("a1", RolloutState.FAILED),
+        ("a2", RolloutState.SUCCEEDED),
+    ]
     assert (done.attempts[0].error_message or "").startswith("exit code 1")
     notes = await client.events(rollout_id, event_type="note")
     assert [(e.attempt_id, e.data["attempt"]) for e in notes] == [("a1", "a1"), ("a2", "a2")]
@@ -163,7 +174,9 @@ async def test_abort_and_delete_kill_the_agent_promptly(client: GatewayClient, t
     assert_group_gone(other[0])
 
 
-async def test_env_contract_and_env_map(client: GatewayClient, tmp_path: Path, gateway: GatewayThread, controller: Any) -> None:
+async def test_env_contract_and_env_map(
+    client: GatewayClient, tmp_path: Path, gateway: GatewayThread, controller: Any
+) -> None:
     env_map = {"QUESTION": "input.question", "META": "input.meta", "FIRST": "input.items.0", "COUNT": "input.n"}
     extra = list(env_map)
     async with controller(client, tmp_path, "EnvAgent", local={"env_map": env_map}, max_attempts=3):
@@ -202,7 +215,9 @@ async def test_env_contract_and_env_map(client: GatewayClient, tmp_path: Path, g
         (None, "must be set"),
     ],
 )
-async def test_bad_agent_class_is_a_clear_error_at_construction(client: GatewayClient, agent_class: str | None, fragment: str) -> None:
+async def test_bad_agent_class_is_a_clear_error_at_construction(
+    client: GatewayClient, agent_class: str | None, fragment: str
+) -> None:
     config = make_config(local={"agent_class": agent_class})
     with pytest.raises(ControllerConfigError) as info:
         Controller(config, client)
@@ -211,7 +226,9 @@ async def test_bad_agent_class_is_a_clear_error_at_construction(client: GatewayC
     assert isinstance(info.value, (ValueError, ConfigError))
 
 
-async def test_stop_kills_every_agent_and_requeues_its_rollout(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
+async def test_stop_kills_every_agent_and_requeues_its_rollout(
+    client: GatewayClient, tmp_path: Path, controller: Any
+) -> None:
     pid_files = [tmp_path / f"stop{i}.pids" for i in range(3)]
     async with controller(client, tmp_path, "SleepAgent") as running:
         ids = [await enqueue(client, "stop", {"pid_file": str(path)}) for path in pid_files]
@@ -258,11 +275,28 @@ def test_cli_controller_stops_its_agents_on_sigterm(gateway: GatewayThread, tmp_
     pid_file = tmp_path / "cli.pids"
     rollout_id = new_id("cli")
     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    httpx.post(f"{gateway.url}/api/rollouts", json=[{"rollout_id": rollout_id, "input": {"pid_file": str(pid_file)}}], headers=headers).raise_for_status()
+    httpx.post(
+        f"{gateway.url}/api/rollouts",
+        json=[{"rollout_id": rollout_id, "input": {"pid_file": str(pid_file)}}],
+        headers=headers,
+    ).raise_for_status()
     process = subprocess.Popen(
-        [sys.executable, "-m", "rollover.cli.main", "controller", "--gateway", gateway.url, "--key", ADMIN_KEY,
-         "--runner", "local", f"agentlightning.local.agent_class={AGENTS}:SleepAgent"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "rollover.cli.main",
+            "controller",
+            "--gateway",
+            gateway.url,
+            "--key",
+            ADMIN_KEY,
+            "--runner",
+            "local",
+            f"agentlightning.local.agent_class={AGENTS}:SleepAgent",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 30
@@ -281,14 +315,29 @@ def test_cli_controller_stops_its_agents_on_sigterm(gateway: GatewayThread, tmp_
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    httpx.patch(f"{gateway.url}/api/rollouts/{rollout_id}", json={"status": {"state": "failed", "error_message": "aborted: test over"}}, headers=headers)
+    httpx.patch(
+        f"{gateway.url}/api/rollouts/{rollout_id}",
+        json={"status": {"state": "failed", "error_message": "aborted: test over"}},
+        headers=headers,
+    )
 
 
 def test_cli_rejects_a_bad_agent_class(gateway: GatewayThread) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "rollover.cli.main", "controller", "--gateway", gateway.url, "--key", ADMIN_KEY,
-         "agentlightning.local.agent_class=no_such_module_xyz:Agent"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "rollover.cli.main",
+            "controller",
+            "--gateway",
+            gateway.url,
+            "--key",
+            ADMIN_KEY,
+            "agentlightning.local.agent_class=no_such_module_xyz:Agent",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode in (1, 2)
     assert "agentlightning.local.agent_class" in result.stderr
@@ -296,9 +345,20 @@ def test_cli_rejects_a_bad_agent_class(gateway: GatewayThread) -> None:
 
 def test_cli_rejects_a_wrong_admin_key(gateway: GatewayThread) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "rollover.cli.main", "controller", "--gateway", gateway.url, "--key", "wrong",
-         f"agentlightning.local.agent_class={AGENTS}:RewardAgent"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "rollover.cli.main",
+            "controller",
+            "--gateway",
+            gateway.url,
+            "--key",
+            "wrong",
+            f"agentlightning.local.agent_class={AGENTS}:RewardAgent",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "--key" in result.stderr

@@ -1,7 +1,6 @@
 """vLLM behind the real gateway: recorded calls carry token ids, logprobs and the policy
 version; a weight update changes greedy output and the version."""
 
-
 import httpx
 import pytest
 import torch

@@ -32,8 +32,14 @@ def wait_for(predicate, timeout_s: float, step: float = 0.1) -> bool:
 
 
 def small_engine(model_dir: Path, tmp_path: Path, **kwargs) -> VLLMEngine:
-    return VLLMEngine(model_dir, log_path=tmp_path / "vllm.log", max_model_len=TEST_MAX_MODEL_LEN,
-                      enforce_eager=True, start_timeout_s=240, **kwargs)
+    return VLLMEngine(
+        model_dir,
+        log_path=tmp_path / "vllm.log",
+        max_model_len=TEST_MAX_MODEL_LEN,
+        enforce_eager=True,
+        start_timeout_s=240,
+        **kwargs,
+    )
 
 
 def test_missing_model_dir_fails_at_once(tmp_path: Path) -> None:
@@ -66,7 +72,9 @@ def test_broken_model_dir_reports_exit_code_and_log_tail(tmp_path: Path) -> None
 KEY = "lifecycle-admin"
 
 
-async def test_kill_mid_request_is_a_json_error_swept_and_the_watchdog_restores_service(tiny_model_dir: Path, tmp_path: Path) -> None:
+async def test_kill_mid_request_is_a_json_error_swept_and_the_watchdog_restores_service(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     from rollover.engine.watchdog import EngineWatchdog
     from rollover.gateway.auth import scoped_key
     from rollover.gateway.server import GatewayThread
@@ -143,7 +151,7 @@ def test_parent_death_takes_vllm_down(tiny_model_dir: Path, tmp_path: Path) -> N
         import sys, time
         from rollover.engine.vllm_engine import VLLMEngine
         from rollover.processes import descendant_pids
-        e = VLLMEngine({str(tiny_model_dir)!r}, log_path={str(tmp_path / 'child.log')!r},
+        e = VLLMEngine({str(tiny_model_dir)!r}, log_path={str(tmp_path / "child.log")!r},
                        max_model_len=256, enforce_eager=True)
         e.start()
         while len(descendant_pids(e.pid)) < 2:
@@ -173,8 +181,14 @@ def test_command_line_and_environment(tmp_path: Path) -> None:
     env = cpu._env()
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
-    gpu = VLLMEngine(tmp_path, device="cuda", gpu_memory_utilization=0.4, log_path=tmp_path / "b.log",
-                     extra_args=["--seed", "3"], logprobs_mode="processed_logprobs")
+    gpu = VLLMEngine(
+        tmp_path,
+        device="cuda",
+        gpu_memory_utilization=0.4,
+        log_path=tmp_path / "b.log",
+        extra_args=["--seed", "3"],
+        logprobs_mode="processed_logprobs",
+    )
     argv = gpu.command()
     assert "--enable-sleep-mode" in argv and argv[-2:] == ["--seed", "3"]
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.4"

@@ -30,14 +30,22 @@ PROMPTS = [
 
 
 def sample(engine: VLLMEngine, prompt: str, seed: int) -> dict[str, Any]:
-    resp = httpx.post(f"{engine.base_url}/chat/completions", timeout=120, json={
-        "model": engine.served_model_name,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": 48, "temperature": 1.0, "seed": seed,
-        "logprobs": True, "top_logprobs": 5, "return_token_ids": True,
-        # Tokens come back as "token_id:<id>", so alternatives can be checked by id.
-        "return_tokens_as_token_ids": True,
-    })
+    resp = httpx.post(
+        f"{engine.base_url}/chat/completions",
+        timeout=120,
+        json={
+            "model": engine.served_model_name,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 48,
+            "temperature": 1.0,
+            "seed": seed,
+            "logprobs": True,
+            "top_logprobs": 5,
+            "return_token_ids": True,
+            # Tokens come back as "token_id:<id>", so alternatives can be checked by id.
+            "return_tokens_as_token_ids": True,
+        },
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -68,10 +76,18 @@ def compare(engine: VLLMEngine, model: torch.nn.Module, label: str) -> dict[str,
     # KL(μ‖π) estimated on μ's own samples: k1 = E[log μ − log π], k3 = E[r − 1 − log r], r = π/μ.
     k1 = sum(log_ratio) / len(log_ratio)
     k3 = sum(math.exp(-x) - 1 + x for x in log_ratio) / len(log_ratio)
-    stats = {"tokens": len(diffs), "max_abs": max(diffs), "mean_abs": sum(diffs) / len(diffs),
-             "top_max_abs": max(top_diffs), "kl_k1": k1, "kl_k3": k3}
-    print(f"\ntoken fidelity [{label}]: " + ", ".join(
-        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
+    stats = {
+        "tokens": len(diffs),
+        "max_abs": max(diffs),
+        "mean_abs": sum(diffs) / len(diffs),
+        "top_max_abs": max(top_diffs),
+        "kl_k1": k1,
+        "kl_k3": k3,
+    }
+    print(
+        f"\ntoken fidelity [{label}]: "
+        + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items())
+    )
     return stats
 
 

@@ -65,18 +65,26 @@ def test_chat_returns_token_ids_and_logprobs(vllm_engine: VLLMEngine, tiny_model
     response_ids = choice["token_ids"]
     logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
     # The prompt is the chat template rendered by the same tokenizer, no extra BOS.
-    assert prompt_ids == tok.apply_chat_template(MESSAGES, add_generation_prompt=True,
-                                                 return_dict=True)["input_ids"]
+    assert prompt_ids == tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert 0 < len(response_ids) == len(logprobs) <= 12
     assert all(lp <= 0 for lp in logprobs)
     assert body["usage"]["completion_tokens"] == len(response_ids)
 
 
 def test_completions_return_token_ids_and_logprobs(vllm_engine: VLLMEngine) -> None:
-    resp = httpx.post(f"{vllm_engine.base_url}/completions", timeout=120, json={
-        "model": "policy", "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 1.0,
-        "logprobs": 0, "return_token_ids": True, "ignore_eos": True,  # a sampled eos must not cut it short
-    })
+    resp = httpx.post(
+        f"{vllm_engine.base_url}/completions",
+        timeout=120,
+        json={
+            "model": "policy",
+            "prompt": [5, 6, 7, 8],
+            "max_tokens": 6,
+            "temperature": 1.0,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,  # a sampled eos must not cut it short
+        },
+    )
     choice = resp.json()["choices"][0]
     assert choice["prompt_token_ids"] == [5, 6, 7, 8]
     assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) == 6
@@ -87,8 +95,9 @@ def test_eos_token_is_in_token_ids_with_its_logprob(vllm_engine: VLLMEngine, tin
 
     eos = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token_id
     # logit_bias forces eos; the reported logprob is the raw model's (before the bias).
-    choice = chat(vllm_engine, temperature=1.0, logprobs=True, return_token_ids=True,
-                  logit_bias={str(eos): 100})["choices"][0]
+    choice = chat(vllm_engine, temperature=1.0, logprobs=True, return_token_ids=True, logit_bias={str(eos): 100})[
+        "choices"
+    ][0]
     assert choice["token_ids"] == [eos] and choice["finish_reason"] == "stop"
     assert len(choice["logprobs"]["content"]) == 1
     assert choice["logprobs"]["content"][0]["logprob"] < -1
@@ -131,7 +140,7 @@ class _Recorder(BaseHTTPRequestHandler):
     calls: list[tuple[str, dict[str, str], Any]] = []
     status = 200
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).calls.append((self.path, dict(self.headers), body))
         self.send_response(type(self).status)

@@ -140,7 +140,9 @@ def test_task_generation_is_deterministic_and_split():
 def test_prepare_writes_cached_data(tmp_path, monkeypatch):
     monkeypatch.setattr(gsm_prepare, "TRAIN_SIZE", 12)
     monkeypatch.setattr(gsm_prepare, "VAL_SIZE", 4)
-    config = load_config(GSM_CONFIG, [f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.model.path=/some/model"])
+    config = load_config(
+        GSM_CONFIG, [f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.model.path=/some/model"]
+    )
     config = gsm_prepare.prepare(config)
     assert len(read_tasks(config.data.train_files)) == 12 and len(read_tasks(config.data.val_files)) == 4
     assert Path(config.data.train_files).parent == tmp_path / "_cache" / "gsm8k"
@@ -161,8 +163,14 @@ def test_gsm8k_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch):
     write_tasks(tmp_path / "train.jsonl", short)
     write_tasks(tmp_path / "val.jsonl", [t for t in val if len(t["question"]) < 260][:2] or short[:2])
     train_rows, val_rows = train_briefly(
-        GSM_CONFIG, tmp_path, calc_model, "gsm8k-smoke", 2,
-        f"data.train_files={tmp_path / 'train.jsonl'}", f"data.val_files={tmp_path / 'val.jsonl'}", "data.val_batch_size=2",
+        GSM_CONFIG,
+        tmp_path,
+        calc_model,
+        "gsm8k-smoke",
+        2,
+        f"data.train_files={tmp_path / 'train.jsonl'}",
+        f"data.val_files={tmp_path / 'val.jsonl'}",
+        "data.val_batch_size=2",
         engine=vllm_engine,
     )
     for row in train_rows:

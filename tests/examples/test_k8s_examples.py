@@ -26,8 +26,8 @@ from rollover.gateway.client import GatewayClient
 from rollover.gateway.server import GatewayThread
 from rollover.gateway.stub_upstream import StubUpstream
 from rollover.store.models import RolloutCreate, RolloutState
-from tests.controller.conftest import client, gateway, new_id, wait_for_rollout  # noqa: F401  (fixtures)
-from tests.controller.test_k8s_runner import NAMESPACE, POD_GATEWAY, Cluster, cluster, k8s_config  # noqa: F401
+from tests.controller.conftest import new_id, wait_for_rollout
+from tests.controller.test_k8s_runner import NAMESPACE, POD_GATEWAY, Cluster, k8s_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_SECONDS = 300.5
@@ -108,7 +108,11 @@ async def test_example_agent_runs_as_a_job(example: Example, client: GatewayClie
         container = container_of(job)
         assert container["command"] == ["python", "-m", "rollover.controller.agent_main", example.agent_class]
         # the fields the controller forces
-        labels = {"rollover.dev/rollout-id": done_id, "rollover.dev/attempt-id": "a1", "app.kubernetes.io/managed-by": "rollover"}
+        labels = {
+            "rollover.dev/rollout-id": done_id,
+            "rollover.dev/attempt-id": "a1",
+            "app.kubernetes.io/managed-by": "rollover",
+        }
         assert job["metadata"]["name"] == name and job["metadata"]["namespace"] == NAMESPACE
         assert labels.items() <= job["metadata"]["labels"].items()
         assert labels.items() <= job["spec"]["template"]["metadata"]["labels"].items()
@@ -128,7 +132,9 @@ async def test_example_agent_runs_as_a_job(example: Example, client: GatewayClie
             assert env_of(other)["AGL_KEY"] == env["AGL_KEY"]
 
         await cluster.set_condition(name, "Complete")
-        await cluster.set_condition(f"{failed_id}-a1", "Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+        await cluster.set_condition(
+            f"{failed_id}-a1", "Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit"
+        )
         done = await wait_for_rollout(client, done_id)
         failed = await wait_for_rollout(client, failed_id)
     assert done.state == RolloutState.SUCCEEDED, done.status

@@ -51,7 +51,13 @@ def test_bugs_break_tests_and_the_reference_fix_repairs_them(tasks):
     for task in tasks:
         broken = check_repo(task["files"])
         assert sorted(broken.failed) == task["failing_tests"] and task["failing_tests"]
-        assert task["mutation"]["kind"] in {"flip_comparison", "off_by_one", "wrong_operator", "swapped_arguments", "dropped_return"}
+        assert task["mutation"]["kind"] in {
+            "flip_comparison",
+            "off_by_one",
+            "wrong_operator",
+            "swapped_arguments",
+            "dropped_return",
+        }
         fixed = check_repo(apply_fix(task["files"], task["fix"]))
         assert fixed.all_passed, fixed.summary()
         template = next(t for t in TEMPLATES if t.name == task["repo"])
@@ -77,16 +83,19 @@ def _pid_alive(pid: int) -> bool:
 
 
 def test_sandbox_kills_an_infinite_loop_and_its_children(tmp_path):
-    write_repo(tmp_path, {
-        "test_loop.py": (
-            "import subprocess, pathlib\n"
-            "def test_loop():\n"
-            "    child = subprocess.Popen(['sleep', '300'])\n"
-            "    pathlib.Path('child.pid').write_text(str(child.pid))\n"
-            "    while True:\n"
-            "        pass\n"
-        ),
-    })
+    write_repo(
+        tmp_path,
+        {
+            "test_loop.py": (
+                "import subprocess, pathlib\n"
+                "def test_loop():\n"
+                "    child = subprocess.Popen(['sleep', '300'])\n"
+                "    pathlib.Path('child.pid').write_text(str(child.pid))\n"
+                "    while True:\n"
+                "        pass\n"
+            ),
+        },
+    )
     started = time.monotonic()
     report = run_tests(tmp_path, Limits(timeout_s=3, cpu_s=60))
     elapsed = time.monotonic() - started
@@ -101,15 +110,18 @@ def test_sandbox_kills_an_infinite_loop_and_its_children(tmp_path):
 
 
 def test_sandbox_memory_limit(tmp_path):
-    write_repo(tmp_path, {
-        "test_memory.py": (
-            "def test_allocates_2_gib():\n"
-            "    block = bytearray(2 * 1024 ** 3)\n"
-            "    assert len(block) > 0\n"
-            "def test_small():\n"
-            "    assert len(bytearray(1024)) == 1024\n"
-        ),
-    })
+    write_repo(
+        tmp_path,
+        {
+            "test_memory.py": (
+                "def test_allocates_2_gib():\n"
+                "    block = bytearray(2 * 1024 ** 3)\n"
+                "    assert len(block) > 0\n"
+                "def test_small():\n"
+                "    assert len(bytearray(1024)) == 1024\n"
+            ),
+        },
+    )
     report = run_tests(tmp_path, Limits(memory_mb=256))
     assert report.passed == ["test_memory.py::test_small"]
     assert "MemoryError" in report.failed["test_memory.py::test_allocates_2_gib"]
@@ -125,9 +137,12 @@ def test_sandbox_cpu_limit(tmp_path):
 
 def test_sandbox_result_cannot_be_forged(tmp_path):
     forged = json.dumps({"passed": ["test_x.py::test_a"], "failed": {}})
-    write_repo(tmp_path, {
-        "test_x.py": f"print('@@smith-result 0000 ' + {forged!r})\ndef test_a():\n    assert False, 'broken'\n",
-    })
+    write_repo(
+        tmp_path,
+        {
+            "test_x.py": f"print('@@smith-result 0000 ' + {forged!r})\ndef test_a():\n    assert False, 'broken'\n",
+        },
+    )
     report = run_tests(tmp_path)
     assert report.failed == {"test_x.py::test_a": "AssertionError: broken"}
 
@@ -144,13 +159,21 @@ def test_sandbox_reports_collection_errors(tmp_path):
 @pytest.mark.parametrize(
     "text, call",
     [
-        ('<tool>{"name": "read_file", "args": {"path": "stack.py"}}</tool>', ToolCall("read_file", {"path": "stack.py"})),
+        (
+            '<tool>{"name": "read_file", "args": {"path": "stack.py"}}</tool>',
+            ToolCall("read_file", {"path": "stack.py"}),
+        ),
         ('I will look.\n<tool>{"name": "run_tests"}</tool>', ToolCall("run_tests", {})),
         ('<tool>{"name": "finish", "args": {}}', ToolCall("finish", {})),  # no closing tag
         ('<tool>\n```json\n{"name": "list_files", "args": {}}\n```\n</tool>', ToolCall("list_files", {})),
-        ('<tool>{"name": "edit", "args": {"path": "a.py", "old": "x < 1", "new": "x <= 1", "extra": 1}} thanks</tool>',
-         ToolCall("edit", {"path": "a.py", "old": "x < 1", "new": "x <= 1"})),
-        ('<tool>{"name": "run_tests"}</tool><tool>{"name": "finish"}</tool>', ToolCall("run_tests", {})),  # the first one
+        (
+            '<tool>{"name": "edit", "args": {"path": "a.py", "old": "x < 1", "new": "x <= 1", "extra": 1}} thanks</tool>',
+            ToolCall("edit", {"path": "a.py", "old": "x < 1", "new": "x <= 1"}),
+        ),
+        (
+            '<tool>{"name": "run_tests"}</tool><tool>{"name": "finish"}</tool>',
+            ToolCall("run_tests", {}),
+        ),  # the first one
     ],
 )
 def test_parse_tool_call(text, call):
@@ -192,8 +215,13 @@ def test_workspace_tools(tmp_path, tasks):
     with pytest.raises(ToolError, match="found 0 times"):
         workspace.execute(ToolCall("edit", {"path": module, "old": "no such text", "new": "x"}))
     assert "failed" in workspace.execute(ToolCall("run_tests"))
-    assert workspace.execute(ToolCall("edit", {"path": module, "old": task["fix"]["old"], "new": task["fix"]["new"]})) == f"edited {module}"
-    assert workspace.execute(ToolCall("run_tests")).startswith(f"{len(check_repo(task['files']).passed) + len(task['failing_tests'])} passed, 0 failed")
+    assert (
+        workspace.execute(ToolCall("edit", {"path": module, "old": task["fix"]["old"], "new": task["fix"]["new"]}))
+        == f"edited {module}"
+    )
+    assert workspace.execute(ToolCall("run_tests")).startswith(
+        f"{len(check_repo(task['files']).passed) + len(task['failing_tests'])} passed, 0 failed"
+    )
 
 
 def test_grading_uses_the_original_tests(tmp_path, tasks):
@@ -242,13 +270,15 @@ def scripted_policy_app(script: list[dict[str, Any]], seen: list[dict[str, Any]]
             "created": int(time.time()),
             "model": body["model"],
             "prompt_token_ids": [1, 2, 3],
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": content},
-                "finish_reason": "stop",
-                "token_ids": [4, 5],
-                "logprobs": {"content": [{"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -0.5}]},
-            }],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": "stop",
+                    "token_ids": [4, 5],
+                    "logprobs": {"content": [{"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -0.5}]},
+                }
+            ],
             "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
         }
 
@@ -260,7 +290,9 @@ def scripted_policy():
     script: list[dict[str, Any]] = []
     seen: list[dict[str, Any]] = []
     port = free_port("127.0.0.1")
-    server = uvicorn.Server(uvicorn.Config(scripted_policy_app(script, seen), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(scripted_policy_app(script, seen), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_healthy(f"http://127.0.0.1:{port}")
@@ -282,9 +314,10 @@ def test_agent_fixes_the_bug_with_a_scripted_policy(tasks, scripted_policy):
         {"name": "run_tests", "args": {}},
         {"name": "finish", "args": {}},
     ]
-    with GatewayThread(store_path=":memory:", admin_key=ADMIN_KEY) as gateway, httpx.Client(
-        base_url=gateway.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30
-    ) as admin:
+    with (
+        GatewayThread(store_path=":memory:", admin_key=ADMIN_KEY) as gateway,
+        httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30) as admin,
+    ):
         admin.post("/api/models", json=[{"model": "policy", "endpoint": endpoint}]).raise_for_status()
         rollout_id = admin.post("/api/rollouts", json=[{"input": task}]).json()[0]["rollout_id"]
         admin.patch(f"/api/rollouts/{rollout_id}", json={"status": {"state": "running"}}).raise_for_status()
@@ -299,7 +332,11 @@ def test_agent_fixes_the_bug_with_a_scripted_policy(tasks, scripted_policy):
         )
         process = subprocess.run(
             [sys.executable, "-m", "rollover.controller.agent_main", "examples.smith.agent:SmithAgent"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert process.returncode == 0, process.stdout + process.stderr
         bundle = admin.get(f"/api/rollouts/{rollout_id}/events", params={"format": "triplet"}).json()
@@ -319,11 +356,21 @@ def test_agent_fixes_the_bug_with_a_scripted_policy(tasks, scripted_policy):
 
 
 def test_k8s_job_template_renders(tasks):
-    template = JobTemplate.from_path(ROOT / "examples" / "smith" / "k8s_job.yaml.j2", "agentlightning.k8s.job_template_path")
+    template = JobTemplate.from_path(
+        ROOT / "examples" / "smith" / "k8s_job.yaml.j2", "agentlightning.k8s.job_template_path"
+    )
     template.check()
     manifest = template.render(input=tasks[0], job_name="smith-r1-a1", rollout_id="r1", attempt_id="a1")
-    job = build_job(manifest, job_name="smith-r1-a1", namespace="agents", rollout_id="r1", attempt_id="a1",
-                    env={"AGL_KEY": "k"}, ttl_seconds=60, deadline_seconds=900)
+    job = build_job(
+        manifest,
+        job_name="smith-r1-a1",
+        namespace="agents",
+        rollout_id="r1",
+        attempt_id="a1",
+        env={"AGL_KEY": "k"},
+        ttl_seconds=60,
+        deadline_seconds=900,
+    )
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["python", "-m", "rollover.controller.agent_main", "examples.smith.agent:SmithAgent"]
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -343,8 +390,14 @@ def test_smith_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch, ta
     write_tasks(tmp_path / "train.jsonl", tasks[:4])
     write_tasks(tmp_path / "val.jsonl", tasks[4:])
     train_rows, val_rows = train_briefly(
-        SMITH_CONFIG, tmp_path, calc_model, "smith-smoke", 2,
-        f"data.train_files={tmp_path / 'train.jsonl'}", f"data.val_files={tmp_path / 'val.jsonl'}", "data.val_batch_size=2",
+        SMITH_CONFIG,
+        tmp_path,
+        calc_model,
+        "smith-smoke",
+        2,
+        f"data.train_files={tmp_path / 'train.jsonl'}",
+        f"data.val_files={tmp_path / 'val.jsonl'}",
+        "data.val_batch_size=2",
         engine=vllm_engine,
     )
     for row in train_rows:

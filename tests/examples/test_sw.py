@@ -14,7 +14,16 @@ import openai
 import pytest
 
 from examples.sw.agent import PAUSE_ROUNDS, ask, window
-from examples.sw.task import DEMONSTRATION, FALLBACK_ACTION, TASK_NAMES, ScienceWorld, parse_action, play, reward_from_score, trim
+from examples.sw.task import (
+    DEMONSTRATION,
+    FALLBACK_ACTION,
+    TASK_NAMES,
+    ScienceWorld,
+    parse_action,
+    play,
+    reward_from_score,
+    trim,
+)
 from rollover.config import load_config
 from tests.runs import train_briefly
 
@@ -88,12 +97,11 @@ def test_window_keeps_the_task_and_the_latest_turns() -> None:
 
 
 def test_the_jvm_ends_on_close_and_on_error() -> None:
-    with pytest.raises(RuntimeError, match="agent crashed"):
-        with ScienceWorld() as world:
-            pid = world.pid
-            assert pid in live_processes()
-            world.start("find-non-living-thing", 0)
-            raise RuntimeError("agent crashed")
+    with pytest.raises(RuntimeError, match="agent crashed"), ScienceWorld() as world:
+        pid = world.pid
+        assert pid in live_processes()
+        world.start("find-non-living-thing", 0)
+        raise RuntimeError("agent crashed")
     assert pid not in live_processes()
     world.close()  # idempotent
 
@@ -145,7 +153,9 @@ def test_scripted_episode_scores() -> None:
         return next(actions, None)
 
     with ScienceWorld() as world:
-        episode = play(world, {"task_name": "find-non-living-thing", "variation": 0}, choose, max_steps=10, obs_chars=300)
+        episode = play(
+            world, {"task_name": "find-non-living-thing", "variation": 0}, choose, max_steps=10, obs_chars=300
+        )
         pid = world.pid
     assert pid not in live_processes()
     assert seen[0].startswith("Task: Your task is to find a(n) non-living thing")
@@ -159,7 +169,9 @@ def test_prepare_splits_tasks_by_variation(tmp_path: Path) -> None:
     from examples.sw.prepare import prepare
     from rollover.training.data import read_tasks
 
-    config = load_config(SW_CONFIG, [f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.model.path=/given/model"])
+    config = load_config(
+        SW_CONFIG, [f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.model.path=/given/model"]
+    )
     config = prepare(config)
     assert config.actor_rollout_ref.model.path == "/given/model"  # a given model is not converted
     train, val = read_tasks(config.data.train_files), read_tasks(config.data.val_files)
@@ -172,7 +184,9 @@ def test_prepare_splits_tasks_by_variation(tmp_path: Path) -> None:
     assert [t["task_name"] for t in train[: len(TASK_NAMES)]] == list(TASK_NAMES)  # interleaved
     # cached: a second call reads the files again without a JVM
     mtime = Path(config.data.train_files).stat().st_mtime
-    config2 = prepare(load_config(SW_CONFIG, [f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.model.path=/m"]))
+    config2 = prepare(
+        load_config(SW_CONFIG, [f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.model.path=/m"])
+    )
     assert config2.data.train_files == config.data.train_files
     assert Path(config.data.train_files).stat().st_mtime == mtime
 
@@ -198,7 +212,11 @@ def test_two_training_steps_through_the_real_system(tmp_path: Path, calc_model: 
     marker = f"ROLLOVER_SW_TEST_RUN={uuid.uuid4().hex}"  # inherited by the agents and their JVMs
     monkeypatch.setenv(*marker.split("="))
     train, val = train_briefly(
-        SW_CONFIG, tmp_path, calc_model, "smoke", 2,
+        SW_CONFIG,
+        tmp_path,
+        calc_model,
+        "smoke",
+        2,
         "data.train_batch_size=1",
         "data.val_batch_size=1",
         "data.max_prompt_length=448",

@@ -14,7 +14,9 @@ def make_rollout(admin, **extra):
 
 
 def claim(admin, rollout_id, attempt_id="a1"):
-    response = admin.patch(f"/api/rollouts/{rollout_id}", json={"status": {"state": "running", "last_attempt_id": attempt_id}})
+    response = admin.patch(
+        f"/api/rollouts/{rollout_id}", json={"status": {"state": "running", "last_attempt_id": attempt_id}}
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -104,7 +106,12 @@ def test_events_raw_and_triplet(admin):
     r = make_rollout(admin)
     claim(admin, r["rollout_id"])
     url = f"/api/rollouts/{r['rollout_id']}/attempt/a1/events"
-    call = {"prompt_token_ids": [1], "response_token_ids": [2, 3], "response_logprobs": [-1.0, -2.0], "policy_version": 2}
+    call = {
+        "prompt_token_ids": [1],
+        "response_token_ids": [2, 3],
+        "response_logprobs": [-1.0, -2.0],
+        "policy_version": 2,
+    }
     assert admin.post(url, json={"event_type": "model_request", "data": call}).status_code == 201
     assert admin.post(url, json={"event_type": "reward", "data": {"value": 1.0}}).status_code == 201
     raw = admin.get(f"/api/rollouts/{r['rollout_id']}/events", params={"event_type": "reward"}).json()
@@ -128,8 +135,15 @@ def test_auth_admin_and_scoped_keys(gateway, admin):
     assert agent.post(f"/api/rollouts/{other['rollout_id']}/attempt/a1/events", json=reward).status_code == 403
     assert agent.get("/api/rollouts").status_code == 403
     assert agent.post("/proxy/pause", json={}).status_code == 403
-    assert agent.patch(f"/api/rollouts/{mine['rollout_id']}", json={"status": {"state": "succeeded"}}).status_code == 403
-    assert agent.post(f"/proxy/rollout/{other['rollout_id']}/attempt/a1/mode/train/openai/v1/chat/completions", json={}).status_code == 403
+    assert (
+        agent.patch(f"/api/rollouts/{mine['rollout_id']}", json={"status": {"state": "succeeded"}}).status_code == 403
+    )
+    assert (
+        agent.post(
+            f"/proxy/rollout/{other['rollout_id']}/attempt/a1/mode/train/openai/v1/chat/completions", json={}
+        ).status_code
+        == 403
+    )
     # no key: 401; wrong key: 401
     assert anon.get("/api/rollouts").status_code == 401
     assert anon.get("/api/rollouts", headers={"Authorization": "Bearer wrong"}).json()["error"] == "unauthorized"
@@ -139,6 +153,8 @@ def test_auth_admin_and_scoped_keys(gateway, admin):
 def test_models_registry(admin):
     assert admin.post("/api/models", json=[{"model": "policy", "endpoint": "http://127.0.0.1:1/v1"}]).status_code == 201
     admin.post("/api/models", json=[{"model": "policy", "endpoint": "http://127.0.0.1:1/v1", "policy_version": 3}])
-    assert admin.get("/api/models").json() == [{"model": "policy", "endpoint": "http://127.0.0.1:1/v1", "policy_version": 3}]
+    assert admin.get("/api/models").json() == [
+        {"model": "policy", "endpoint": "http://127.0.0.1:1/v1", "policy_version": 3}
+    ]
     admin.delete("/api/models")
     assert admin.get("/api/models").json() == []

@@ -15,28 +15,39 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 async def make_running_rollouts(client: httpx.AsyncClient, count: int) -> list[str]:
-    created = (await client.post("/api/rollouts", json=[{"input": {"i": i}} for i in range(count)], headers=ADMIN)).json()
+    created = (
+        await client.post("/api/rollouts", json=[{"input": {"i": i}} for i in range(count)], headers=ADMIN)
+    ).json()
     for r in created:
-        assert (await client.patch(f"/api/rollouts/{r['rollout_id']}", json={"status": {"state": "running"}}, headers=ADMIN)).status_code == 200
+        assert (
+            await client.patch(f"/api/rollouts/{r['rollout_id']}", json={"status": {"state": "running"}}, headers=ADMIN)
+        ).status_code == 200
     return [r["rollout_id"] for r in created]
 
 
 def test_64_agents_through_pause_and_resume(tmp_path):
     calls_per_agent = 8
-    with StubUpstream(StubBehaviour(delay_seconds=0.05)) as stub, GatewayProcess(str(tmp_path / "g.db"), ADMIN_KEY) as gateway:
+    with (
+        StubUpstream(StubBehaviour(delay_seconds=0.05)) as stub,
+        GatewayProcess(str(tmp_path / "g.db"), ADMIN_KEY) as gateway,
+    ):
 
         async def scenario():
-            async with httpx.AsyncClient(base_url=gateway.url, timeout=60, limits=httpx.Limits(max_connections=200)) as client:
+            async with httpx.AsyncClient(
+                base_url=gateway.url, timeout=60, limits=httpx.Limits(max_connections=200)
+            ) as client:
                 await client.post("/api/models", json=[{"model": "policy", "endpoint": stub.base_url}], headers=ADMIN)
                 rollout_ids = await make_running_rollouts(client, 64)
                 refusals: list[httpx.Response] = []
-                ok_counts = {rid: 0 for rid in rollout_ids}
+                ok_counts = dict.fromkeys(rollout_ids, 0)
 
                 async def agent(rid: str) -> None:
                     headers = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid)}"}
                     url = f"/proxy/rollout/{rid}/attempt/a1/mode/train/openai/v1/chat/completions"
                     while ok_counts[rid] < calls_per_agent:
-                        response = await client.post(url, json={"messages": [{"role": "user", "content": rid}]}, headers=headers)
+                        response = await client.post(
+                            url, json={"messages": [{"role": "user", "content": rid}]}, headers=headers
+                        )
                         if response.status_code == 429:
                             refusals.append(response)
                             await asyncio.sleep(0.05)
@@ -47,7 +58,11 @@ def test_64_agents_through_pause_and_resume(tmp_path):
                 tasks = [asyncio.create_task(agent(rid)) for rid in rollout_ids]
                 while sum(ok_counts.values()) < 64:
                     await asyncio.sleep(0.01)
-                paused = (await client.post("/proxy/pause", json={"reason": "update", "retry_after_seconds": 1}, headers=ADMIN)).json()
+                paused = (
+                    await client.post(
+                        "/proxy/pause", json={"reason": "update", "retry_after_seconds": 1}, headers=ADMIN
+                    )
+                ).json()
                 completed_at_pause = sum(ok_counts.values())
                 drained = (await client.get("/proxy/state", params={"wait_drained": 30}, headers=ADMIN)).json()
                 assert drained["inflight"] == 0 and drained["paused"]
@@ -91,7 +106,9 @@ def test_sigkill_mid_traffic_loses_nothing_acknowledged(tmp_path):
                     acknowledged_rollouts.add(rid)
                     if client.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running"}}).status_code != 200:
                         continue
-                    response = client.post(f"/api/rollouts/{rid}/attempt/a1/events", json={"event_type": "reward", "data": {"value": i}})
+                    response = client.post(
+                        f"/api/rollouts/{rid}/attempt/a1/events", json={"event_type": "reward", "data": {"value": i}}
+                    )
                     if response.status_code == 201:
                         acknowledged_events[rid] = response.json()["event_id"]
                 except httpx.TransportError:

@@ -54,7 +54,9 @@ def test_chat_call_is_forced_and_recorded(gateway, admin, registered):
 
 def test_completions_and_val_mode(gateway, admin, registered):
     rid = running_rollout(admin, is_train=False)
-    response = httpx.post(proxy_url(gateway, rid, mode="val", endpoint="completions"), json={"prompt": "2+2="}, headers=agent_headers(rid))
+    response = httpx.post(
+        proxy_url(gateway, rid, mode="val", endpoint="completions"), json={"prompt": "2+2="}, headers=agent_headers(rid)
+    )
     assert response.status_code == 200
     sent = registered.behaviour.requests[-1]
     assert sent["temperature"] == 0.0 and sent["return_token_ids"] is True and "logprobs" not in sent
@@ -67,7 +69,7 @@ def test_stream_requests_get_server_sent_events(gateway, admin, registered):
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
     response = httpx.post(proxy_url(gateway, rid), json=body, headers=agent_headers(rid))
     assert response.headers["content-type"].startswith("text/event-stream")
-    lines = [l for l in response.text.splitlines() if l.startswith("data: ")]
+    lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and '"delta"' in lines[0]
     assert registered.behaviour.requests[-1]["stream"] is False
 
@@ -103,7 +105,10 @@ def test_proxy_refuses_unknown_attempt_terminal_rollout_and_bad_endpoint(gateway
     rid = running_rollout(admin)
     bad_attempt = proxy_url(gateway, rid).replace("/attempt/a1/", "/attempt/a9/")
     assert httpx.post(bad_attempt, json={}, headers=agent_headers(rid)).status_code == 404
-    assert httpx.post(proxy_url(gateway, rid, endpoint="embeddings"), json={}, headers=agent_headers(rid)).status_code == 404
+    assert (
+        httpx.post(proxy_url(gateway, rid, endpoint="embeddings"), json={}, headers=agent_headers(rid)).status_code
+        == 404
+    )
     assert httpx.post(proxy_url(gateway, rid), content=b"[1,2]", headers=agent_headers(rid)).status_code == 400
     admin.patch(f"/api/rollouts/{rid}", json={"status": {"state": "failed", "error_message": "aborted: test"}})
     response = httpx.post(proxy_url(gateway, rid), json={"messages": []}, headers=agent_headers(rid))
@@ -113,7 +118,10 @@ def test_proxy_refuses_unknown_attempt_terminal_rollout_and_bad_endpoint(gateway
 
 def test_sticky_upstream_per_rollout(gateway, admin):
     with StubUpstream() as a, StubUpstream() as b:
-        admin.post("/api/models", json=[{"model": "policy", "endpoint": a.base_url}, {"model": "policy", "endpoint": b.base_url}])
+        admin.post(
+            "/api/models",
+            json=[{"model": "policy", "endpoint": a.base_url}, {"model": "policy", "endpoint": b.base_url}],
+        )
         rids = [running_rollout(admin) for _ in range(12)]
         for rid in rids:
             for _ in range(3):
@@ -127,7 +135,13 @@ def test_sticky_upstream_per_rollout(gateway, admin):
 def test_pause_contract(gateway, admin, registered):
     rid = running_rollout(admin)
     paused = admin.post("/proxy/pause", json={"reason": "weight update", "retry_after_seconds": 7}).json()
-    assert paused == {"paused": True, "retry_after_seconds": 7.0, "reason": "weight update", "inflight": 0, "paused_seconds_total": paused["paused_seconds_total"]}
+    assert paused == {
+        "paused": True,
+        "retry_after_seconds": 7.0,
+        "reason": "weight update",
+        "inflight": 0,
+        "paused_seconds_total": paused["paused_seconds_total"],
+    }
     response = httpx.post(proxy_url(gateway, rid), json={"messages": []}, headers=agent_headers(rid))
     assert response.status_code == 429
     assert response.headers["Retry-After"] == "7" and response.headers["X-Agl-Paused"] == "true"
@@ -166,7 +180,11 @@ def test_inflight_calls_finish_while_paused_and_wait_drained_returns_at_zero(gat
     registered.behaviour.delay_seconds = 1.0
     rid = running_rollout(admin)
     results = []
-    thread = threading.Thread(target=lambda: results.append(httpx.post(proxy_url(gateway, rid), json={"messages": []}, headers=agent_headers(rid), timeout=30)))
+    thread = threading.Thread(
+        target=lambda: results.append(
+            httpx.post(proxy_url(gateway, rid), json={"messages": []}, headers=agent_headers(rid), timeout=30)
+        )
+    )
     thread.start()
     deadline = time.monotonic() + 5
     while admin.get("/proxy/state").json()["inflight"] == 0 and time.monotonic() < deadline:
@@ -185,7 +203,11 @@ def test_inflight_calls_finish_while_paused_and_wait_drained_returns_at_zero(gat
 def test_wait_drained_times_out_with_inflight(gateway, admin, registered):
     registered.behaviour.delay_seconds = 3.0
     rid = running_rollout(admin)
-    thread = threading.Thread(target=lambda: httpx.post(proxy_url(gateway, rid), json={"messages": []}, headers=agent_headers(rid), timeout=30))
+    thread = threading.Thread(
+        target=lambda: httpx.post(
+            proxy_url(gateway, rid), json={"messages": []}, headers=agent_headers(rid), timeout=30
+        )
+    )
     thread.start()
     time.sleep(0.5)
     started = time.monotonic()

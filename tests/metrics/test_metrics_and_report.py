@@ -26,7 +26,12 @@ def test_jsonl_and_wandb_offline(tmp_path, monkeypatch):
 
 def recorded_run(tmp_path):
     rows = [
-        {"step": s, "reward/mean": 0.1 * s, "training/async/n_new_carry_over_rollouts": 4 - s % 3, "timing/step_s": 2.0 + s}
+        {
+            "step": s,
+            "reward/mean": 0.1 * s,
+            "training/async/n_new_carry_over_rollouts": 4 - s % 3,
+            "timing/step_s": 2.0 + s,
+        }
         for s in range(1, 8)
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

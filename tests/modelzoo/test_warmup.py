@@ -44,12 +44,12 @@ def _format_ok(tok, model, rng: random.Random) -> bool:
     import torch
 
     chat, _n = format_task(rng)
-    enc = tok.apply_chat_template(chat[:2], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
+    enc = tok.apply_chat_template(chat[:2], add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=10, do_sample=False,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    reply = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **enc, max_new_tokens=10, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+        )
+    reply = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     return bool(re.fullmatch(r"ANSWER: \d+", reply.strip()))
 
 
@@ -89,11 +89,12 @@ def test_warmup_teaches_the_format(tiny_model_dir: Path, tmp_path: Path) -> None
     examples = [format_task(rng)[0] for _ in range(2000)]
     before = format_rate(tiny_model_dir)
     out = tmp_path / "warm"
-    metrics = sft_warmup(tiny_model_dir, examples, out, steps=300, lr=3e-3, batch_size=16, seed=0,
-                          num_threads=1)
+    metrics = sft_warmup(tiny_model_dir, examples, out, steps=300, lr=3e-3, batch_size=16, seed=0, num_threads=1)
     after = format_rate(out)
-    print(f"\nwarm-up: format rate {before:.2f} -> {after:.2f}, loss "
-          f"{metrics['initial_loss']:.3f} -> {metrics['final_loss']:.3f} in {metrics['seconds']:.1f} s")
+    print(
+        f"\nwarm-up: format rate {before:.2f} -> {after:.2f}, loss "
+        f"{metrics['initial_loss']:.3f} -> {metrics['final_loss']:.3f} in {metrics['seconds']:.1f} s"
+    )
     assert metrics["final_loss"] < metrics["initial_loss"] / 3
     assert after >= 0.8 and after >= before + 0.5
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()

@@ -95,8 +95,16 @@ def test_events_need_a_known_attempt_and_triplets_take_the_last_reward(store):
         bundle = await store.triplets(r.rollout_id)
         assert bundle.reward == 1.0 and bundle.attempt_id == "a1"
         [t] = bundle.triplets
-        assert (t.prompt_token_ids, t.response_token_ids, t.response_logprobs, t.policy_version) == ([1, 2], [3], [-0.5], 4)
-        assert [e.event_type for e in await store.list_events(r.rollout_id, event_type="reward")] == ["reward", "reward"]
+        assert (t.prompt_token_ids, t.response_token_ids, t.response_logprobs, t.policy_version) == (
+            [1, 2],
+            [3],
+            [-0.5],
+            4,
+        )
+        assert [e.event_type for e in await store.list_events(r.rollout_id, event_type="reward")] == [
+            "reward",
+            "reward",
+        ]
 
     run(scenario())
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from collections.abc import Sequence
 
 from rollover.store.models import RolloutState
 from rollover.training.manager import RolloutUpdate, TrackedRollout
@@ -24,7 +24,10 @@ class ScriptedBackend:
             self.states[r.rollout_id] = RolloutState.RUNNING
 
     async def poll(self, rollout_ids: Sequence[str]) -> dict[str, RolloutUpdate]:
-        return {rid: RolloutUpdate(state=self.states[rid], created_at=0.0, started_at=0.0, finished_at=self.clock) for rid in rollout_ids}
+        return {
+            rid: RolloutUpdate(state=self.states[rid], created_at=0.0, started_at=0.0, finished_at=self.clock)
+            for rid in rollout_ids
+        }
 
     async def wait(self) -> None:
         await asyncio.sleep(0)  # let the test write the script for this tick

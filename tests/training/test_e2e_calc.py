@@ -23,7 +23,11 @@ def long_tailed_tools(monkeypatch):
 def test_async_training_end_to_end(tmp_path, calc_model, vllm_engine, long_tailed_tools):
     steps = 10
     train, val = train_briefly(
-        CALC_CONFIG, tmp_path, calc_model, "async", steps,
+        CALC_CONFIG,
+        tmp_path,
+        calc_model,
+        "async",
+        steps,
         "agentlightning.async_rollout.enabled=true",
         "agentlightning.async_rollout.async_train_batch_size=8",
         engine=vllm_engine,
@@ -64,9 +68,14 @@ def test_sync_training_end_to_end(tmp_path, calc_model, vllm_engine, long_tailed
 
 
 def test_async_window_not_larger_than_batch_is_rejected(tmp_path, calc_model):
-    config = load_config(CALC_CONFIG, [
-        f"trainer.default_local_dir={tmp_path}", f"actor_rollout_ref.model.path={calc_model}",
-        "agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size=4",
-    ])
+    config = load_config(
+        CALC_CONFIG,
+        [
+            f"trainer.default_local_dir={tmp_path}",
+            f"actor_rollout_ref.model.path={calc_model}",
+            "agentlightning.async_rollout.enabled=true",
+            "agentlightning.async_rollout.async_train_batch_size=4",
+        ],
+    )
     with pytest.raises(ValueError, match="async_train_batch_size=4.*train_batch_size=4"):
         run_training(config)

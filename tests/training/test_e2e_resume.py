@@ -36,11 +36,19 @@ def processes_carrying(marker: str) -> set[int]:
 
 def train_command(tmp_path, calc_model, *extra):
     return [
-        sys.executable, "-m", "rollover.cli.main", "train", str(CALC_CONFIG),
-        f"trainer.default_local_dir={tmp_path}", "trainer.experiment_name=resumable",
-        f"actor_rollout_ref.model.path={calc_model}", "trainer.total_training_steps=4",
-        "trainer.save_freq=1", "data.val_batch_size=8",
-        "agentlightning.async_rollout.enabled=true", "agentlightning.async_rollout.async_train_batch_size=8",
+        sys.executable,
+        "-m",
+        "rollover.cli.main",
+        "train",
+        str(CALC_CONFIG),
+        f"trainer.default_local_dir={tmp_path}",
+        "trainer.experiment_name=resumable",
+        f"actor_rollout_ref.model.path={calc_model}",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=1",
+        "data.val_batch_size=8",
+        "agentlightning.async_rollout.enabled=true",
+        "agentlightning.async_rollout.async_train_batch_size=8",
         *extra,
     ]
 
@@ -70,7 +78,9 @@ def test_kill_9_then_resume_completes_the_run(tmp_path, calc_model, monkeypatch)
         time.sleep(0.5)
     assert processes_carrying(marker) == set()
 
-    second = subprocess.run(train_command(tmp_path, calc_model, "resume=true"), capture_output=True, text=True, timeout=600)
+    second = subprocess.run(
+        train_command(tmp_path, calc_model, "resume=true"), capture_output=True, text=True, timeout=600
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed step_" in second.stderr
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "training/async/n_completed_rollouts" in r]
@@ -78,7 +88,9 @@ def test_kill_9_then_resume_completes_the_run(tmp_path, calc_model, monkeypatch)
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_4"
     with sqlite3.connect(run_dir / "store.db") as db:
         unfinished = db.execute("SELECT COUNT(*) FROM rollouts WHERE state IN ('queuing', 'running')").fetchone()[0]
-        aborted = db.execute("SELECT COUNT(*) FROM rollouts WHERE error_message LIKE 'aborted: trainer restarted%'").fetchone()[0]
+        aborted = db.execute(
+            "SELECT COUNT(*) FROM rollouts WHERE error_message LIKE 'aborted: trainer restarted%'"
+        ).fetchone()[0]
     assert unfinished == 0
     assert aborted > 0  # the dead run's rollouts were reconciled, not left running
     state = json.loads((run_dir / "checkpoints" / "step_4" / "trainer_state.json").read_text())

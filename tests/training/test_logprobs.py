@@ -57,9 +57,7 @@ def test_matches_naive_per_position_loop(
 ) -> None:
     ids, mask = batch
     with torch.no_grad():
-        got = token_logprobs(
-            model, ids, mask, temperature=temperature, micro_batch_size=micro_batch_size
-        )
+        got = token_logprobs(model, ids, mask, temperature=temperature, micro_batch_size=micro_batch_size)
         expected = _naive(model, ids, temperature)
     assert got.shape == (len(LENGTHS), max(LENGTHS) - 1)
     assert got.dtype == torch.float32
@@ -69,9 +67,7 @@ def test_matches_naive_per_position_loop(
     assert torch.isfinite(got).all()
 
 
-def test_gradients_flow_in_grad_mode(
-    model: LlamaForCausalLM, batch: tuple[torch.Tensor, torch.Tensor]
-) -> None:
+def test_gradients_flow_in_grad_mode(model: LlamaForCausalLM, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
     ids, mask = batch
     model.zero_grad()
     got = token_logprobs(model, ids, mask, micro_batch_size=1)
@@ -82,9 +78,7 @@ def test_gradients_flow_in_grad_mode(
     model.zero_grad()
 
 
-def test_rejects_bad_arguments(
-    model: LlamaForCausalLM, batch: tuple[torch.Tensor, torch.Tensor]
-) -> None:
+def test_rejects_bad_arguments(model: LlamaForCausalLM, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
     ids, mask = batch
     with pytest.raises(ValueError):
         token_logprobs(model, ids, mask, temperature=0.0)

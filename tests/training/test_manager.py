@@ -18,7 +18,9 @@ def test_stops_at_target_complete_groups_and_carries_the_rest():
     manager = AsyncRolloutManager(backend, train_rollout_n=2)
 
     async def scenario():
-        task = asyncio.create_task(manager.enqueue_and_wait_until_group_completed(prompts("a", "b", "c", "d"), [], 2, step=0))
+        task = asyncio.create_task(
+            manager.enqueue_and_wait_until_group_completed(prompts("a", "b", "c", "d"), [], 2, step=0)
+        )
         await asyncio.sleep(0)
         a, b, c, d = (backend.ids_of(x) for x in "abcd")
         backend.script = [
@@ -63,7 +65,9 @@ def test_carry_over_is_merged_and_consumed_later():
         backend.script = [[a[0], a[1]]]
         first = await task
         assert [r.data_id for r in first.new_carry_over_rollouts] == ["b", "b"]
-        task = asyncio.create_task(manager.enqueue_and_wait_until_group_completed(prompts("c"), first.new_carry_over_rollouts, 1, step=1))
+        task = asyncio.create_task(
+            manager.enqueue_and_wait_until_group_completed(prompts("c"), first.new_carry_over_rollouts, 1, step=1)
+        )
         await asyncio.sleep(0)
         backend.script = [[b[0], b[1]]]
         return await task
@@ -79,7 +83,9 @@ def test_more_complete_groups_than_needed_keeps_the_extra_for_later():
     manager = AsyncRolloutManager(backend, train_rollout_n=1)
 
     async def scenario():
-        task = asyncio.create_task(manager.enqueue_and_wait_until_group_completed(prompts("a", "b", "c"), [], 1, step=0))
+        task = asyncio.create_task(
+            manager.enqueue_and_wait_until_group_completed(prompts("a", "b", "c"), [], 1, step=0)
+        )
         await asyncio.sleep(0)
         backend.script = [[*backend.ids_of("a"), *backend.ids_of("b"), *backend.ids_of("c")]]
         return await task

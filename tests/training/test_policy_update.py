@@ -24,7 +24,16 @@ def tiny_policy(overrides=()):
     policy.device = torch.device("cpu")
     policy.tokenizer = _Tok()
     policy.pad_token_id = 0
-    policy.model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4))
+    policy.model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+        )
+    )
     policy.optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-2, weight_decay=0.0)
     return policy
 

@@ -7,9 +7,7 @@ import torch
 from rollover.training.samples import Sample, build_samples, collate
 
 
-def _call(
-    prompt: list[int], response: list[int], logprobs: list[float] | None, version: int
-) -> dict[str, Any]:
+def _call(prompt: list[int], response: list[int], logprobs: list[float] | None, version: int) -> dict[str, Any]:
     return {
         "prompt_token_ids": prompt,
         "response_token_ids": response,
@@ -99,9 +97,7 @@ def test_collate_shapes_padding_and_target_alignment() -> None:
                 continue
             assert batch["input_ids"][row, j].item() == tok
             assert batch["loss_mask"][row, j - 1].item() == m
-            assert batch["behaviour_logprobs"][row, j - 1].item() == pytest.approx(
-                sample.behaviour_logprobs[j]
-            )
+            assert batch["behaviour_logprobs"][row, j - 1].item() == pytest.approx(sample.behaviour_logprobs[j])
             assert batch["token_versions"][row, j - 1].item() == sample.token_versions[j]
             assert batch["advantages"][row, j - 1].item() == (sample.advantage if m else 0.0)
 

@@ -14,7 +14,6 @@ from rollover.cli.main import main as rollover_main
 from rollover.store.models import RolloutState
 from rollover.store.sqlite import _SCHEMA
 from rollover.training.manager import AsyncRolloutManager
-from tests.runs import SEED_ASYNC_METRICS, SEED_TIMING_METRICS
 from rollover.training.simulate import (
     Constant,
     Empirical,
@@ -28,6 +27,7 @@ from rollover.training.simulate import (
     simulate,
     window_sizes,
 )
+from tests.runs import SEED_ASYNC_METRICS, SEED_TIMING_METRICS
 
 LOGNORMAL = Scenario(LogNormal(median=1.0, sigma=1.0), batch_size=4, n=4, steps=60, update_seconds=1.0)
 
@@ -97,9 +97,15 @@ def test_drain_time_and_the_trainers_staleness_cap_are_simulated() -> None:
     drained = simulate(replace(LOGNORMAL, steps=10, drain_seconds=0.5), window=8)
     drains = [m["training/async/proxy_drain_seconds"] for m in drained.history]
     assert max(drains) == pytest.approx(0.5)
-    assert all(m["training/async/proxy_inflight_at_pause"] > 0 for m in drained.history if m["training/async/proxy_drain_seconds"])
+    assert all(
+        m["training/async/proxy_inflight_at_pause"] > 0
+        for m in drained.history
+        if m["training/async/proxy_drain_seconds"]
+    )
 
-    capped = simulate(replace(LOGNORMAL, overrides=("agentlightning.async_rollout.max_carry_over_age_steps=1",)), window=16)
+    capped = simulate(
+        replace(LOGNORMAL, overrides=("agentlightning.async_rollout.max_carry_over_age_steps=1",)), window=16
+    )
     assert capped.n_aborted_stale_rollouts > 0
 
 
@@ -133,7 +139,19 @@ def test_cli_prints_the_table_the_ideal_speedup_and_a_recommendation(capsys: pyt
 
 
 def test_cli_json_and_the_rollover_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--batch-size", "2", "--n", "2", "--steps", "5", "--windows", "2", "--distribution", "exponential", "--json"]
+    argv = [
+        "--batch-size",
+        "2",
+        "--n",
+        "2",
+        "--steps",
+        "5",
+        "--windows",
+        "2",
+        "--distribution",
+        "exponential",
+        "--json",
+    ]
     assert rollover_main(["simulate", *argv]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [r["mode"] for r in report["results"]] == ["sync", "async"]
@@ -156,7 +174,9 @@ def test_cli_json_and_the_rollover_entry_point(capsys: pytest.CaptureFixture[str
         (["--no-such-flag"], "unrecognized arguments"),
     ],
 )
-def test_bad_arguments_exit_2_with_a_clear_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_exit_2_with_a_clear_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert message in captured.err and captured.out == ""

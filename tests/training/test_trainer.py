@@ -16,14 +16,18 @@ from tests.conftest import ADMIN_KEY
 
 
 def heavy_tail(steps=12, overrides=()):
-    return Scenario(LogNormal(median=1.0, sigma=1.5), batch_size=4, n=2, steps=steps, update_seconds=0.5, overrides=tuple(overrides))
+    return Scenario(
+        LogNormal(median=1.0, sigma=1.5), batch_size=4, n=2, steps=steps, update_seconds=0.5, overrides=tuple(overrides)
+    )
 
 
 def test_window_is_topped_up_to_async_train_batch_size():
     sim = Simulation(heavy_tail(), window=8)
     result = sim.run()
     for row in result.history:
-        groups_in_window = (row["training/async/n_completed_rollouts"] + row["training/async/n_new_carry_over_rollouts"]) / 2
+        groups_in_window = (
+            row["training/async/n_completed_rollouts"] + row["training/async/n_new_carry_over_rollouts"]
+        ) / 2
         assert groups_in_window == 8
         assert row["training/async/n_completed_rollouts"] == 4 * 2
 
@@ -41,7 +45,9 @@ def test_each_pause_is_announced_as_long_as_the_last_one():
 
 def test_staleness_cap_aborts_and_requeues_old_groups():
     cap = 1
-    capped = Simulation(heavy_tail(overrides=[f"agentlightning.async_rollout.max_carry_over_age_steps={cap}"]), window=12)
+    capped = Simulation(
+        heavy_tail(overrides=[f"agentlightning.async_rollout.max_carry_over_age_steps={cap}"]), window=12
+    )
     result = capped.run()
     assert result.n_aborted_stale_rollouts > 0
     # no group older than the cap (+ the step that consumes it) was ever trained on
@@ -66,7 +72,9 @@ def test_drain_timeout_names_the_stuck_rollouts(gateway, admin, stub):
     rid = rollout["rollout_id"]
     admin.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running"}})
     url = f"{gateway.url}/proxy/rollout/{rid}/attempt/a1/mode/train/openai/v1/chat/completions"
-    call = threading.Thread(target=lambda: httpx.post(url, json={"messages": []}, headers={"x-api-key": ADMIN_KEY}, timeout=30))
+    call = threading.Thread(
+        target=lambda: httpx.post(url, json={"messages": []}, headers={"x-api-key": ADMIN_KEY}, timeout=30)
+    )
     call.start()
     while admin.get("/proxy/state").json()["inflight"] == 0:
         time.sleep(0.01)
