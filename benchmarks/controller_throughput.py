@@ -196,7 +196,7 @@ def main() -> None:
         print(f"for reference, a bare `python -c 'import urllib.request'`: {python_startup_ms():.0f} ms")
 
     key = "bench-admin"
-    with tempfile.TemporaryDirectory() as tmp, GatewayProcess(f"{tmp}/bench.db", key) as gateway:
+    with tempfile.TemporaryDirectory() as tmp, GatewayProcess(store=f"{tmp}/bench.db", admin_key=key) as gateway:
         wait_healthy(gateway.url)
         asyncio.run(bench_all(gateway.url, key, f"{tmp}/agent_logs"))
     server.should_exit = True

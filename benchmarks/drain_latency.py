@@ -297,7 +297,7 @@ async def run_async(settings: Settings) -> Report:
         preexec_fn=die_with_parent,
     )
     try:
-        with tempfile.TemporaryDirectory() as tmp, GatewayProcess(f"{tmp}/bench.db", KEY) as gateway:
+        with tempfile.TemporaryDirectory() as tmp, GatewayProcess(store=f"{tmp}/bench.db", admin_key=KEY) as gateway:
             wait_healthy(f"http://127.0.0.1:{port}")
             async with GatewayClient(gateway.url, KEY) as client, httpx.AsyncClient(timeout=60) as http:
                 await client.register_models([{"model": "policy", "endpoint": f"http://127.0.0.1:{port}/v1"}])

@@ -52,7 +52,7 @@ async def main_async(args: argparse.Namespace) -> None:
         start_new_session=True,
         preexec_fn=die_with_parent,
     )
-    with tempfile.TemporaryDirectory() as tmp, GatewayProcess(f"{tmp}/bench.db", KEY) as gateway:
+    with tempfile.TemporaryDirectory() as tmp, GatewayProcess(store=f"{tmp}/bench.db", admin_key=KEY) as gateway:
         try:
             wait_healthy(f"http://127.0.0.1:{port}")
             admin = {"Authorization": f"Bearer {KEY}"}

@@ -1,8 +1,10 @@
-"""Typed configuration: the embedded defaults, a run's YAML and `key=value` overrides.
+"""Typed configuration: the models below, a run's YAML and `key=value` overrides.
 
-Keys follow the seed document (and verl where verl has a name). Loading merges the three
-layers with OmegaConf, then validates the result with pydantic so that every mistake is
-reported as a `ConfigError` naming the dotted key.
+The pydantic models are the one place a key, its default and its one-line description live;
+`rollover/configs/default.yaml` is generated from them (`rollover config defaults`; a test
+fails when the shipped file is stale). Keys follow the seed document (and verl where verl has
+a name). Loading merges defaults ← YAML ← dotlist overrides with OmegaConf, then validates the
+result with pydantic so that every mistake is reported as a `ConfigError` naming the dotted key.
 """
 
 from __future__ import annotations
@@ -10,93 +12,130 @@ from __future__ import annotations
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the dotted key."""
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError, section: str = "") -> ConfigError:
+        """One line naming each bad key; `section` prefixes the keys of a section's model."""
+        return cls("; ".join(_describe(error, section) for error in exc.errors()))
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+Temperature = Annotated[float, Field(ge=0.0)]
+
+
 class DataConfig(_Section):
-    train_files: str | None = None
-    val_files: str | None = None
-    train_batch_size: int = Field(32, gt=0)
-    val_batch_size: int = Field(32, gt=0)
-    max_prompt_length: int = Field(512, gt=0)
-    max_response_length: int = Field(256, gt=0)
-    seed: int = 0
+    train_files: str | None = Field(default=None, description="JSONL, one task input (JSON object) per line")
+    val_files: str | None = Field(
+        default=None, description="JSONL of held-out tasks, evaluated before and after training"
+    )
+    train_batch_size: int = Field(default=32, gt=0, description="completed prompt groups consumed by one update")
+    val_batch_size: int = Field(default=32, gt=0, description="prompts in a held-out evaluation")
+    max_prompt_length: int = Field(
+        default=512, gt=0, description="token budget of a prompt; a sample longer than both budgets is cut"
+    )
+    max_response_length: int = Field(
+        default=256, gt=0, description="token budget of a response (see max_prompt_length)"
+    )
+    seed: int = Field(default=0, description="seed of the prompt order")
 
 
 class ModelConfig(_Section):
-    path: str | None = None
-    served_model_name: str = "policy"
+    path: str | None = Field(default=None, description="HF model folder (examples build one when null)")
+    served_model_name: str = Field(default="policy", description="the model name vLLM serves and agents ask for")
 
 
 class ValKwargs(_Section):
-    temperature: float = Field(0.0, ge=0.0)
+    temperature: Temperature = Field(default=0.0, description="val-mode temperature")
 
 
 class RolloutConfig(_Section):
-    n: int = Field(4, gt=0)
-    temperature: float = Field(1.0, ge=0.0)
-    val_kwargs: ValKwargs = ValKwargs()
-    max_model_len: int = Field(2048, gt=0)
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    kv_cache_space_gb: int = Field(1, gt=0)
-    enforce_eager: bool = True
-    engine_args: list[str] = []
-    start_timeout_seconds: float = Field(300, gt=0)
-    max_engine_restarts: int = Field(3, ge=0)
+    n: int = Field(default=4, gt=0, description="rollouts per prompt group (GRPO/RLOO siblings)")
+    temperature: Temperature = Field(default=1.0, description="train-mode sampling temperature, forced by the gateway")
+    val_kwargs: ValKwargs = Field(default_factory=ValKwargs, description="sampling of held-out evaluations")
+    max_model_len: int = Field(default=2048, gt=0, description="vLLM context length (prompt + response tokens)")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        default="float32", description="vLLM weights dtype: float32 | bfloat16 | float16 | auto"
+    )
+    kv_cache_space_gb: int = Field(default=1, gt=0, description="vLLM CPU KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    enforce_eager: bool = Field(default=True, description="skip graph capture/compilation: faster engine start")
+    engine_args: list[str] = Field(default=[], description="extra vLLM server arguments")
+    start_timeout_seconds: float = Field(default=300, gt=0, description="vLLM must serve within this after a (re)start")
+    max_engine_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="a crashed engine is restarted with its last weights this often, then the run stops",
+    )
 
 
 class OptimConfig(_Section):
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    lr: float = Field(default=1e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
 
 
 class ActorConfig(_Section):
-    optim: OptimConfig = OptimConfig()
-    ppo_epochs: int = Field(1, gt=0)
-    ppo_mini_batch_size: int | None = Field(None, gt=0)
-    ppo_micro_batch_size: int = Field(8, gt=0)
-    clip_ratio: float = Field(0.2, gt=0, lt=1)
-    clip_ratio_c: float = Field(3.0, gt=1)
-    grad_clip: float = Field(1.0, gt=0)
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="the policy's optimizer")
+    ppo_epochs: int = Field(default=1, gt=0, description="passes over each batch")
+    ppo_mini_batch_size: int | None = Field(
+        default=None, gt=0, description="samples per optimizer step; null = the whole batch"
+    )
+    ppo_micro_batch_size: int = Field(default=8, gt=0, description="samples per forward pass (gradient accumulation)")
+    clip_ratio: float = Field(default=0.2, gt=0, lt=1, description="PPO clip range of the importance ratio")
+    clip_ratio_c: float = Field(default=3.0, gt=1, description="dual-clip constant")
+    grad_clip: float = Field(default=1.0, gt=0, description="gradient norm clip")
 
 
 class ActorRolloutRefConfig(_Section):
-    model: ModelConfig = ModelConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    actor: ActorConfig = ActorConfig()
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling and the vLLM engine")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="the policy update")
 
 
 class GatewayConfig(_Section):
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535)
-    store: str | None = None
-    admin_key: str | None = None
-    retry_after_seconds: float = Field(5, ge=0)
-    upstream_timeout_seconds: float = Field(600, gt=0)
-    upstream_retries: int = Field(3, ge=0)
-    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
-    drain_timeout_seconds: float = Field(300, gt=0)
+    host: str = Field(default="127.0.0.1", description="address the gateway listens on")
+    port: int = Field(default=0, ge=0, le=65535, description="0 = pick a free port (its URL is printed)")
+    store: str | None = Field(
+        default=None, description="SQLite file or :memory:; null = store.db in the run folder (or working directory)"
+    )
+    admin_key: str | None = Field(default=None, description="null = generated (and printed by `rollover gateway`)")
+    retry_after_seconds: float = Field(default=5, ge=0, description="Retry-After sent to agents while paused")
+    upstream_timeout_seconds: float = Field(default=600, gt=0, description="one engine call, at most")
+    upstream_retries: int = Field(default=3, ge=0, description="retries of an engine call on 5xx or timeout")
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    drain_timeout_seconds: float = Field(
+        default=300, gt=0, description="a drain slower than this is an error naming the stuck rollouts"
+    )
+
+    def store_path(self, folder: str | Path) -> str:
+        """`store`, or the default file in `folder` (the run folder)."""
+        return self.store or str(Path(folder) / "store.db")
 
 
 class LocalRunnerConfig(_Section):
-    agent_class: str | None = None
-    env_map: dict[str, str] = {}
-    max_concurrency: int = Field(64, gt=0)
-    start_method: Literal["forkserver", "spawn"] = "forkserver"
-    preload_modules: list[str] = []
+    agent_class: str | None = Field(default=None, description='"pkg.module:Class" with a run() method')
+    env_map: dict[str, str] = Field(default={}, description="ENV_NAME: input.path")
+    max_concurrency: int = Field(default=64, gt=0, description="agent processes running at once")
+    start_method: Literal["forkserver", "spawn"] = Field(
+        default="forkserver",
+        description="forkserver: fork agents from a process that imported the SDK once; spawn: a fresh interpreter each",
+    )
+    preload_modules: list[str] = Field(
+        default=[],
+        description="modules the fork server imports once for every agent (e.g. your agent's, if importing it starts no threads)",
+    )
 
     @field_validator("agent_class")
     @classmethod
@@ -107,52 +146,76 @@ class LocalRunnerConfig(_Section):
 
 
 class K8sRunnerConfig(_Section):
-    job_template_path: str | None = None
-    namespace: str = "default"
-    jobs_per_minute: float = Field(120, gt=0)
-    ttl_seconds_after_finished: int = Field(600, ge=0)
-    kubeconfig: str | None = None
-    gateway_url: str | None = None
+    job_template_path: str | None = Field(default=None, description="Kubernetes Job template (Jinja)")
+    namespace: str = Field(default="default", description="namespace of the Jobs")
+    jobs_per_minute: float = Field(default=120, gt=0, description="Job creation rate limit")
+    ttl_seconds_after_finished: int = Field(
+        default=600, ge=0, description="Kubernetes deletes finished Jobs after this"
+    )
+    kubeconfig: str | None = Field(
+        default=None, description="kubeconfig file; null = the pod's service account, else the default kubeconfig"
+    )
+    gateway_url: str | None = Field(
+        default=None, description="how pods reach the gateway; null = the gateway's own URL"
+    )
 
 
 class AsyncRolloutConfig(_Section):
-    enabled: bool = False
-    async_train_batch_size: int | None = Field(None, gt=0)
-    max_carry_over_age_steps: int | None = Field(None, ge=0)
+    enabled: bool = Field(default=False, description="default: synchronous")
+    async_train_batch_size: int | None = Field(
+        default=None, gt=0, description="active prompt groups; required and > train_batch_size when enabled"
+    )
+    max_carry_over_age_steps: int | None = Field(
+        default=None, ge=0, description="abort and re-queue groups older than this many updates"
+    )
 
 
 class AgentLightningConfig(_Section):
-    rollout_timeout_seconds: float = Field(1800, gt=0)
-    max_attempts: int = Field(1, gt=0)
-    runner: Literal["local", "k8s"] = "local"
-    local: LocalRunnerConfig = LocalRunnerConfig()
-    k8s: K8sRunnerConfig = K8sRunnerConfig()
-    async_rollout: AsyncRolloutConfig = AsyncRolloutConfig()
+    rollout_timeout_seconds: float = Field(
+        default=1800, gt=0, description="a rollout running longer fails (paused time does not count)"
+    )
+    max_attempts: int = Field(default=1, gt=0, description="attempts per rollout before it counts as failed")
+    runner: Literal["local", "k8s"] = Field(default="local", description="local | k8s")
+    local: LocalRunnerConfig = Field(default_factory=LocalRunnerConfig, description="agents as local processes")
+    k8s: K8sRunnerConfig = Field(default_factory=K8sRunnerConfig, description="agents as Kubernetes Jobs")
+    async_rollout: AsyncRolloutConfig = Field(
+        default_factory=AsyncRolloutConfig, description="the rollout window across updates"
+    )
 
 
 class RolloutCorrectionConfig(_Section):
-    rollout_is: Literal["token", "sequence"] | None = None
-    rollout_is_threshold: float = Field(2.0, gt=0)
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        default=None, description="null | token | sequence   (recommended for async: token)"
+    )
+    rollout_is_threshold: float = Field(default=2.0, gt=0, description="importance weights are truncated here")
 
 
 class AlgorithmConfig(_Section):
-    adv_estimator: Literal["grpo", "rloo"] = "grpo"
-    reward_fillna_value: float = 0.0
-    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    adv_estimator: Literal["grpo", "rloo"] = Field(default="grpo", description="grpo | rloo")
+    reward_fillna_value: float = Field(default=0.0, description="reward of a failed rollout or one that reported none")
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig, description="off-policy correction of stale samples"
+    )
 
 
 class TrainerConfig(_Section):
-    setup_hook: str | None = None
-    project_name: str = "rollover"
-    experiment_name: str = "run"
-    default_local_dir: str = "runs"
-    total_training_steps: int = Field(10, gt=0)
-    total_epochs: int | None = Field(None, gt=0)
-    logger: list[Literal["console", "jsonl", "wandb"]] = ["console", "jsonl"]
-    save_freq: int = Field(0, ge=0)
-    test_freq: int = Field(0, ge=0)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
+    setup_hook: str | None = Field(
+        default=None, description='"pkg.module:function" run first; may build data and model (examples use it)'
+    )
+    project_name: str = Field(default="rollover", description="project name for the loggers")
+    experiment_name: str = Field(default="run", description="experiment name for the loggers and the run folder")
+    default_local_dir: str = Field(default="runs", description="run folder = <default_local_dir>/<experiment_name>")
+    total_training_steps: int = Field(default=10, gt=0, description="updates, then the run ends")
+    total_epochs: int | None = Field(
+        default=None, gt=0, description="verl's key, accepted and unused: total_training_steps ends the run"
+    )
+    logger: list[Literal["console", "jsonl", "wandb"]] = Field(
+        default=["console", "jsonl"], description="console | jsonl | wandb"
+    )
+    save_freq: int = Field(default=0, ge=0, description="checkpoint every N steps; 0 = only at the end")
+    test_freq: int = Field(default=0, ge=0, description="held-out evaluation every N steps; 0 = before and after only")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto | cpu | cuda")
+    seed: int = Field(default=0, description="seed of the update's mini-batch shuffling")
 
     @property
     def run_dir(self) -> Path:
@@ -160,21 +223,128 @@ class TrainerConfig(_Section):
 
 
 class RolloverConfig(_Section):
-    data: DataConfig = DataConfig()
-    actor_rollout_ref: ActorRolloutRefConfig = ActorRolloutRefConfig()
-    gateway: GatewayConfig = GatewayConfig()
-    agentlightning: AgentLightningConfig = AgentLightningConfig()
-    algorithm: AlgorithmConfig = AlgorithmConfig()
-    trainer: TrainerConfig = TrainerConfig()
-    resume: bool = False
+    data: DataConfig = Field(default_factory=DataConfig, description="tasks and batch sizes")
+    actor_rollout_ref: ActorRolloutRefConfig = Field(
+        default_factory=ActorRolloutRefConfig, description="the policy: model, sampling, update"
+    )
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig, description="store REST API and recording proxy")
+    agentlightning: AgentLightningConfig = Field(
+        default_factory=AgentLightningConfig, description="rollouts and the agents that run them"
+    )
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="advantages and corrections")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the run: steps, logging, checkpoints")
+    resume: bool = Field(default=False, description="continue the run in the run folder from its last checkpoint")
+
+    @model_validator(mode="after")
+    def _rules_across_sections(self) -> RolloverConfig:
+        self.check_async_window()
+        return self
+
+    def check_async_window(self) -> None:
+        """The seed's rule: an async rollout window is set and larger than the batch."""
+        async_cfg = self.agentlightning.async_rollout
+        train = self.data.train_batch_size
+        window = async_cfg.async_train_batch_size
+        if async_cfg.enabled and (window is None or window <= train):
+            raise ValueError(
+                "agentlightning.async_rollout.async_train_batch_size must be set and greater than "
+                f"data.train_batch_size when agentlightning.async_rollout.enabled is true "
+                f"(got async_train_batch_size={window}, train_batch_size={train}); "
+                f"a good start is {2 * train}"
+            )
+
+
+class GatewaySettings(BaseModel):
+    """What one gateway process runs with, handed to it whole: the `gateway` section and the
+    two temperatures the proxy forces (they live under `actor_rollout_ref.rollout`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gateway: GatewayConfig = Field(description="the `gateway` section")
+    train_temperature: Temperature = Field(description="actor_rollout_ref.rollout.temperature")
+    val_temperature: Temperature = Field(description="actor_rollout_ref.rollout.val_kwargs.temperature")
+
+    @classmethod
+    def from_config(cls, config: RolloverConfig | None = None, **gateway: Any) -> GatewaySettings:
+        """The settings of `config` (default: the defaults); `gateway` replaces keys of its
+        `gateway` section (e.g. `admin_key="k", max_body_bytes=1000`); raises `ConfigError`."""
+        config = config or RolloverConfig()
+        rollout = config.actor_rollout_ref.rollout
+        settings = cls(
+            gateway=config.gateway.model_copy(),
+            train_temperature=rollout.temperature,
+            val_temperature=rollout.val_kwargs.temperature,
+        )
+        return settings.with_gateway(**gateway)
+
+    def with_gateway(self, **gateway: Any) -> GatewaySettings:
+        """A copy with keys of the `gateway` section replaced, validated; raises `ConfigError`."""
+        if not gateway:
+            return self
+        try:
+            section = GatewayConfig.model_validate(self.gateway.model_dump() | gateway)
+        except ValidationError as exc:
+            raise ConfigError.from_validation(exc, "gateway") from None
+        return self.model_copy(update={"gateway": section})
+
+
+# -- the defaults as commented YAML -------------------------------------------------------
+
+DEFAULTS_HEADER = """\
+# Rollover's defaults: every key a user can set, with its default and what it means.
+# GENERATED from the models in rollover/config.py by `rollover config defaults`: edit those.
+# A run's YAML and command-line `key=value` overrides are merged on top; unknown keys are an error.
+"""
+_COMMENT_COLUMN = 34
+
+
+def _scalar(value: Any) -> str:
+    """One YAML value on one line (flow style for lists and mappings)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
+    return text.removesuffix("...").strip()
+
+
+def _commented(line: str, description: str | None) -> str:
+    if not description:
+        return line
+    return f"{line.ljust(max(_COMMENT_COLUMN, len(line) + 2))}# {description}"
+
+
+def _section_lines(model: BaseModel, values: dict[str, Any], indent: int) -> list[str]:
+    lines: list[str] = []
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        if indent == 0 and lines:
+            lines.append("")  # top-level sections stand apart
+        prefix = f"{' ' * indent}{name}:"
+        if isinstance(value, BaseModel):
+            lines.append(_commented(prefix, field.description))
+            lines += _section_lines(value, values[name], indent + 2)
+        else:
+            lines.append(_commented(f"{prefix} {_scalar(values[name])}", field.description))
+    return lines
+
+
+def config_yaml(config: RolloverConfig | None = None, header: str = DEFAULTS_HEADER) -> str:
+    """`config` (default: the defaults) as YAML with each key's description as its comment;
+    `rollover/configs/default.yaml` is this text for the defaults."""
+    config = config or RolloverConfig()
+    body = _section_lines(config, config.model_dump(mode="json"), 0)
+    return header + "\n".join(body) + "\n"
 
 
 def default_config_text() -> str:
+    """The shipped `rollover/configs/default.yaml` (tests check it equals `config_yaml()`)."""
     return resources.files("rollover.configs").joinpath("default.yaml").read_text()
 
 
-def _describe(error: dict[str, Any]) -> str:
-    key = ".".join(str(part) for part in error["loc"])
+# -- loading ------------------------------------------------------------------------------
+
+
+def _describe(error: ErrorDetails, section: str = "") -> str:
+    key = ".".join(str(part) for part in ((section,) if section else ()) + tuple(error["loc"]))
+    if not error["loc"]:  # a rule across sections: its message names the keys itself
+        return str(error.get("ctx", {}).get("error", error["msg"]))
     if error["type"] == "extra_forbidden":
         return f"unknown config key '{key}'"
     got = error.get("input")
@@ -185,12 +355,12 @@ def validate_config(raw: dict[str, Any]) -> RolloverConfig:
     try:
         return RolloverConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError("; ".join(_describe(e) for e in exc.errors())) from None
+        raise ConfigError.from_validation(exc) from None
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RolloverConfig:
     """Defaults ← YAML file ← dotlist overrides, validated; raises `ConfigError`."""
-    layers = [OmegaConf.create(default_config_text())]
+    layers = [OmegaConf.create(RolloverConfig().model_dump(mode="json"))]
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -213,23 +383,14 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot merge config: {exc}") from None
     assert isinstance(raw, dict)
-    return validate_config(raw)
+    return validate_config({str(key): value for key, value in raw.items()})
 
 
 def check_async_rollout(config: RolloverConfig) -> None:
-    """The seed's rule, enforced when the Trainer is constructed."""
-    async_cfg = config.agentlightning.async_rollout
-    if not async_cfg.enabled:
-        return
-    train = config.data.train_batch_size
-    window = async_cfg.async_train_batch_size
-    if window is None or window <= train:
-        raise ValueError(
-            "agentlightning.async_rollout.async_train_batch_size must be set and greater than "
-            f"data.train_batch_size when agentlightning.async_rollout.enabled is true "
-            f"(got async_train_batch_size={window}, train_batch_size={train}); "
-            f"a good start is {2 * train}"
-        )
+    """The seed's async batch-size rule, checked again (the Trainer does, at construction):
+    assigning a nested key (`config.agentlightning.async_rollout.enabled = True`) does not
+    re-run `RolloverConfig`'s validators. Raises `ValueError` naming both keys and values."""
+    config.check_async_window()
 
 
 def dump_config(config: RolloverConfig) -> str:

@@ -20,7 +20,7 @@ ADMIN_KEY = "test-admin-key"
 
 @pytest.fixture
 def gateway() -> Iterator[GatewayThread]:
-    with GatewayThread(store_path=":memory:", admin_key=ADMIN_KEY) as server:
+    with GatewayThread(store=":memory:", admin_key=ADMIN_KEY) as server:
         yield server
 
 

@@ -1,6 +1,15 @@
 import pytest
+import yaml
+from pydantic import BaseModel
 
-from rollover.config import ConfigError, check_async_rollout, load_config
+from rollover.config import (
+    ConfigError,
+    RolloverConfig,
+    check_async_rollout,
+    config_yaml,
+    default_config_text,
+    load_config,
+)
 
 
 def test_defaults_match_the_seed():
@@ -77,3 +86,50 @@ def test_async_window_ok():
             ],
         )
     )
+
+
+def test_shipped_default_yaml_is_generated_from_the_models():
+    assert default_config_text() == config_yaml(), (
+        "rollover/configs/default.yaml is stale: regenerate it with "
+        "`rollover config defaults > rollover/configs/default.yaml`"
+    )
+
+
+def _sections(model: type[BaseModel], prefix: str = ""):
+    for name, field in model.model_fields.items():
+        yield f"{prefix}{name}", field
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from _sections(annotation, f"{prefix}{name}.")
+
+
+def test_every_key_has_a_one_line_description():
+    keys = dict(_sections(RolloverConfig))
+    assert "agentlightning.async_rollout.async_train_batch_size" in keys and "gateway" in keys
+    missing = [key for key, field in keys.items() if not field.description or "\n" in field.description]
+    assert not missing
+
+
+def test_generated_yaml_loads_back_as_the_same_config(tmp_path):
+    assert yaml.safe_load(config_yaml()) == RolloverConfig().model_dump(mode="json")
+    config = load_config(None, ["data.train_batch_size=3", "agentlightning.local.env_map.TASK=input.q"])
+    path = tmp_path / "shown.yaml"
+    path.write_text(config_yaml(config))
+    assert load_config(path) == config
+
+
+def test_loading_refuses_a_bad_async_window_in_one_line():
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, ["agentlightning.async_rollout.enabled=true", "data.train_batch_size=8"])
+    message = str(excinfo.value)
+    assert message.startswith("agentlightning.async_rollout.async_train_batch_size must be set")
+    assert "async_train_batch_size=None, train_batch_size=8" in message and "\n" not in message
+
+
+def test_the_rule_is_checked_again_after_a_nested_assignment():
+    config = load_config(None, ["data.train_batch_size=8"])
+    config.agentlightning.async_rollout.enabled = True  # pydantic does not re-run the root validator
+    with pytest.raises(ValueError, match="async_train_batch_size=None, train_batch_size=8"):
+        check_async_rollout(config)
+    config.agentlightning.async_rollout.async_train_batch_size = 16
+    check_async_rollout(config)

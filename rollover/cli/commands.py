@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rollover.config import ConfigError
 
@@ -13,31 +14,52 @@ class UsageError(Exception):
 
 
 def gateway(args: argparse.Namespace) -> int:
-    from rollover.gateway.auth import new_admin_key
-    from rollover.gateway.proxy import ProxySettings
-    from rollover.gateway.server import build_server
+    from pydantic import ValidationError
 
-    key = args.key
-    if not key:
-        key = new_admin_key()
-        print(f"admin key: {key}", file=sys.stderr, flush=True)
-    settings = ProxySettings(
-        train_temperature=args.train_temperature,
-        val_temperature=args.val_temperature,
-        upstream_timeout_seconds=args.upstream_timeout,
-        upstream_retries=args.upstream_retries,
-    )
-    server = build_server(
-        host=args.host,
-        port=args.port,
-        store_path=args.store,
-        admin_key=key,
-        settings=settings,
-        max_body_bytes=args.max_body_bytes,
-        retry_after_seconds=args.retry_after,
-        log_level=args.log_level,
-    )
+    from rollover.config import GatewaySettings, load_config
+    from rollover.gateway.server import build_server, resolve
+
+    flags = {"host": args.host, "port": args.port, "store": args.store, "admin_key": args.key}
+    try:
+        if args.settings is not None:
+            if args.config or args.overrides:
+                raise UsageError("--settings is the whole settings: no --config or key=value overrides with it")
+            settings = GatewaySettings.model_validate_json(args.settings)
+        else:
+            settings = GatewaySettings.from_config(load_config(args.config, args.overrides))
+            settings = settings.with_gateway(store=settings.gateway.store_path("."))
+        settings = settings.with_gateway(**{key: value for key, value in flags.items() if value is not None})
+    except (ConfigError, ValidationError) as exc:
+        raise UsageError(str(exc)) from None
+    generated_key = settings.gateway.admin_key is None
+    settings = resolve(settings)
+    if generated_key:
+        print(f"admin key: {settings.gateway.admin_key}", file=sys.stderr, flush=True)
+    server = build_server(settings, log_level=args.log_level)
+    print(f"gateway http://{settings.gateway.host}:{settings.gateway.port}", file=sys.stderr, flush=True)
     server.run()
+    return 0
+
+
+def config_defaults(args: argparse.Namespace) -> int:
+    from rollover.config import config_yaml
+
+    sys.stdout.write(config_yaml())
+    return 0
+
+
+def config_show(args: argparse.Namespace) -> int:
+    from rollover.config import config_yaml, load_config
+
+    path, overrides = args.config, list(args.overrides)
+    if path is not None and "=" in path and not Path(path).is_file():
+        path, overrides = None, [path, *overrides]  # `rollover config show key=value ...`
+    try:
+        config = load_config(path, overrides)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    layers = " <- ".join(["defaults", *([path] if path else []), *(["overrides"] if overrides else [])])
+    sys.stdout.write(config_yaml(config, header=f"# {layers}, validated (rollover config show)\n"))
     return 0
 
 

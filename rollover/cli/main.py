@@ -7,6 +7,13 @@ import sys
 from collections.abc import Callable, Sequence
 
 from rollover.cli import commands
+from rollover.config import GatewayConfig
+
+
+def _gateway_help(key: str) -> str:
+    field = GatewayConfig.model_fields[key]
+    default = "null" if field.default is None else field.default
+    return f"{field.description} (default: {default}; config key gateway.{key})"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,19 +28,36 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.train_batch_size=8 resume=true")
     train.set_defaults(run=commands.train)
 
-    gateway = sub.add_parser("gateway", help="run the gateway alone")
-    gateway.add_argument("--host", default="127.0.0.1")
-    gateway.add_argument("--port", type=int, default=8080)
-    gateway.add_argument("--store", default="rollover.db", help="SQLite file, or :memory:")
-    gateway.add_argument("--key", default=None, help="admin key (generated and printed when omitted)")
-    gateway.add_argument("--retry-after", type=float, default=5, help="default Retry-After seconds while paused")
-    gateway.add_argument("--train-temperature", type=float, default=1.0)
-    gateway.add_argument("--val-temperature", type=float, default=0.0)
-    gateway.add_argument("--upstream-timeout", type=float, default=600)
-    gateway.add_argument("--upstream-retries", type=int, default=3)
-    gateway.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
-    gateway.add_argument("--log-level", default="warning")
+    gateway = sub.add_parser(
+        "gateway",
+        help="run the gateway alone",
+        description="The gateway alone. Settings: the defaults, or the gateway section and rollout temperatures "
+        "of --config and key=value overrides; the flags replace gateway.host/port/store/admin_key.",
+    )
+    gateway.add_argument("--host", help=_gateway_help("host"))
+    gateway.add_argument("--port", type=int, help=_gateway_help("port"))
+    gateway.add_argument("--store", help=_gateway_help("store"))
+    gateway.add_argument("--key", help=f"admin key: {_gateway_help('admin_key')}")
+    gateway.add_argument("--config", default=None, help="YAML config whose gateway section and temperatures are used")
+    gateway.add_argument("--settings", default=None, help=argparse.SUPPRESS)  # GatewayProcess: GatewaySettings JSON
+    gateway.add_argument("--log-level", default=None, help="uvicorn's log level (default: warnings and errors)")
+    gateway.add_argument("overrides", nargs="*", help="key=value overrides, e.g. gateway.max_body_bytes=1000000")
     gateway.set_defaults(run=commands.gateway)
+
+    config = sub.add_parser(
+        "config",
+        help="print the config: every key's default, or the config a run would use",
+        description="`defaults` prints every key with its default and description (this is "
+        "rollover/configs/default.yaml); `show` prints the merged config that `rollover train "
+        "CONFIG [key=value ...]` would start from (before trainer.setup_hook), validated.",
+    )
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    defaults = config_sub.add_parser("defaults", help="every key with its default and description")
+    defaults.set_defaults(run=commands.config_defaults)
+    show = config_sub.add_parser("show", help="defaults <- CONFIG <- key=value overrides, validated")
+    show.add_argument("config", nargs="?", default=None, help="YAML config (omit to see the defaults with overrides)")
+    show.add_argument("overrides", nargs="*", help="key=value overrides")
+    show.set_defaults(run=commands.config_show)
 
     controller = sub.add_parser("controller", help="run the controller alone")
     controller.add_argument("--gateway", required=True, help="gateway URL, e.g. http://127.0.0.1:8080")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -15,13 +15,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rollover.config import GatewaySettings
 from rollover.gateway import auth
 from rollover.gateway.proxy import (
     ENDPOINTS,
     Forwarder,
     ModelRegistry,
     ProxyPauseState,
-    ProxySettings,
     UpstreamError,
     sse_from_response,
 )
@@ -43,20 +43,29 @@ class GatewayState:
     """Everything the gateway holds; owned by the app (no module-level state)."""
 
     store: RolloutStore
-    admin_key: str
-    settings: ProxySettings = field(default_factory=ProxySettings)
-    max_body_bytes: int = 16 * 1024 * 1024
-    retry_after_seconds: float = 5
+    settings: GatewaySettings
     pause: ProxyPauseState = field(init=False)
     registry: ModelRegistry = field(default_factory=ModelRegistry)
     forwarder: Forwarder = field(init=False)
 
     def __post_init__(self) -> None:
-        self.pause = ProxyPauseState(self.retry_after_seconds)
+        if not self.settings.gateway.admin_key:
+            raise ValueError("gateway.admin_key must be set to serve (generate one with auth.new_admin_key())")
+        self.pause = ProxyPauseState(self.settings.gateway.retry_after_seconds)
         self.forwarder = Forwarder(self.store, self.registry, self.settings)
 
+    @property
+    def admin_key(self) -> str:
+        key = self.settings.gateway.admin_key
+        assert key is not None  # checked at construction
+        return key
 
-def error_response(status_code: int, error: str, reason: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    @property
+    def retry_after_seconds(self) -> float:
+        return self.settings.gateway.retry_after_seconds
+
+
+def error_response(status_code: int, error: str, reason: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": error, "reason": reason}, status_code=status_code, headers=headers)
 
 
@@ -154,22 +163,9 @@ _MODELS = TypeAdapter(list[ModelEndpoint] | ModelEndpoint)
 _PAUSE = TypeAdapter(PauseRequest)
 
 
-def create_app(
-    store: RolloutStore,
-    admin_key: str,
-    *,
-    settings: ProxySettings | None = None,
-    max_body_bytes: int = 16 * 1024 * 1024,
-    retry_after_seconds: float = 5,
-    close_store: bool = False,
-) -> FastAPI:
-    state = GatewayState(
-        store=store,
-        admin_key=admin_key,
-        settings=settings or ProxySettings(),
-        max_body_bytes=max_body_bytes,
-        retry_after_seconds=retry_after_seconds,
-    )
+def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: bool = False) -> FastAPI:
+    """The gateway over `store`, configured by `settings` (its `gateway.admin_key` must be set)."""
+    state = GatewayState(store=store, settings=settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -180,7 +176,7 @@ def create_app(
 
     app = FastAPI(title="Rollover gateway", lifespan=lifespan)
     app.state.gateway = state
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.gateway.max_body_bytes)
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -281,7 +277,7 @@ def create_app(
     @app.post("/proxy/pause")
     async def pause(request: Request) -> dict[str, Any]:
         _require_admin(request)
-        body = await _parse(request, _PAUSE, empty=PauseRequest())
+        body = await _parse(request, _PAUSE, empty=PauseRequest.model_validate({}))
         retry_after = state.retry_after_seconds if body.retry_after_seconds is None else body.retry_after_seconds
         return (await state.pause.pause(body.reason, retry_after, body.expected_seconds)).model_dump()
 

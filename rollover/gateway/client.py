@@ -154,8 +154,9 @@ class GatewayClient:
         await self._request("DELETE", "/api/models")
 
     async def pause(
-        self, reason: str | None = None, retry_after_seconds: float = 5, expected_seconds: float | None = None
+        self, reason: str | None = None, retry_after_seconds: float | None = None, expected_seconds: float | None = None
     ) -> ProxyState:
+        """`retry_after_seconds`: None = the gateway's `gateway.retry_after_seconds`."""
         body = {"reason": reason, "retry_after_seconds": retry_after_seconds, "expected_seconds": expected_seconds}
         return ProxyState.model_validate(await self._request("POST", "/proxy/pause", json=body, timeout=300))
 

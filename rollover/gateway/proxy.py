@@ -11,18 +11,20 @@ from typing import Any, Literal
 
 import httpx
 
+from rollover.config import GatewaySettings
 from rollover.store.models import EventCreate, ModelEndpoint, ProxyState
 from rollover.store.sqlite import RolloutStore
 
 Mode = Literal["train", "val"]
 ENDPOINTS = ("chat/completions", "completions")
 MIN_RETRY_MS = 250  # how often refused agents come back once a pause outlasts its estimate
+RETRY_BACKOFF_SECONDS = 0.5  # first pause between upstream retries; doubles each retry
 
 
 class ProxyPauseState:
     """`paused`, `inflight` and `reason`, guarded by one asyncio.Lock as in the seed."""
 
-    def __init__(self, retry_after_seconds: float = 5) -> None:
+    def __init__(self, retry_after_seconds: float) -> None:
         self.paused = False
         self.reason: str | None = None
         self.retry_after_seconds = retry_after_seconds
@@ -109,15 +111,6 @@ class UpstreamError(Exception):
 
 
 @dataclass
-class ProxySettings:
-    train_temperature: float = 1.0
-    val_temperature: float = 0.0
-    upstream_timeout_seconds: float = 600
-    upstream_retries: int = 3
-    retry_backoff_seconds: float = 0.5
-
-
-@dataclass
 class ModelRegistry:
     endpoints: list[ModelEndpoint] = field(default_factory=list)
 
@@ -136,7 +129,7 @@ class ModelRegistry:
 
 
 def prepare_request(
-    body: dict[str, Any], endpoint: str, mode: Mode, model: str, settings: ProxySettings
+    body: dict[str, Any], endpoint: str, mode: Mode, model: str, settings: GatewaySettings
 ) -> dict[str, Any]:
     """Force the served model, the mode's temperature, token ids and (train) logprobs."""
     upstream = dict(body)
@@ -208,12 +201,12 @@ def sse_from_response(endpoint: str, response: dict[str, Any]) -> bytes:
 class Forwarder:
     """Calls the upstream engine with retries on 5xx and timeouts, and records the call."""
 
-    def __init__(self, store: RolloutStore, registry: ModelRegistry, settings: ProxySettings) -> None:
+    def __init__(self, store: RolloutStore, registry: ModelRegistry, settings: GatewaySettings) -> None:
         self.store = store
         self.registry = registry
         self.settings = settings
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(settings.upstream_timeout_seconds, connect=10.0),
+            timeout=httpx.Timeout(settings.gateway.upstream_timeout_seconds, connect=10.0),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
         )
 
@@ -221,12 +214,12 @@ class Forwarder:
         await self.client.aclose()
 
     async def _post_with_retries(self, url: str, payload: dict[str, Any]) -> httpx.Response:
-        attempts = self.settings.upstream_retries + 1
+        attempts = self.settings.gateway.upstream_retries + 1
         last_reason = ""
         status = 502
         for attempt in range(attempts):
             if attempt:
-                await asyncio.sleep(self.settings.retry_backoff_seconds * 2 ** (attempt - 1))
+                await asyncio.sleep(RETRY_BACKOFF_SECONDS * 2 ** (attempt - 1))
             try:
                 response = await self.client.post(url, json=payload)
             except httpx.TimeoutException as exc:

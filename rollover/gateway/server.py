@@ -1,4 +1,4 @@
-"""Running the gateway: in this process (`serve`), in a thread, or as a child process."""
+"""Running the gateway: in this process (`build_server`), in a thread, or as a child process."""
 
 from __future__ import annotations
 
@@ -8,41 +8,42 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
 
+from rollover.config import GatewaySettings
 from rollover.gateway.app import create_app
-from rollover.gateway.proxy import ProxySettings
+from rollover.gateway.auth import new_admin_key
 from rollover.processes import die_with_parent, free_port
 from rollover.store.sqlite import RolloutStore
 
+__all__ = ["GatewayProcess", "GatewayThread", "build_server", "free_port", "resolve", "wait_healthy"]
 
-def build_server(
-    *,
-    host: str,
-    port: int,
-    store_path: str,
-    admin_key: str,
-    settings: ProxySettings | None = None,
-    max_body_bytes: int = 16 * 1024 * 1024,
-    retry_after_seconds: float = 5,
-    log_level: str = "warning",
-) -> uvicorn.Server:
-    store = RolloutStore(store_path)
-    app = create_app(
-        store,
-        admin_key,
-        settings=settings,
-        max_body_bytes=max_body_bytes,
-        retry_after_seconds=retry_after_seconds,
-        close_store=True,
+
+def resolve(settings: GatewaySettings) -> GatewaySettings:
+    """Settings with nothing left to pick: port 0 becomes a free port, a null admin key a
+    generated one, a null store `:memory:` (`rollover train` and `rollover gateway` pass a file)."""
+    gateway = settings.gateway
+    return settings.with_gateway(
+        port=gateway.port or free_port(gateway.host),
+        admin_key=gateway.admin_key or new_admin_key(),
+        store=gateway.store or ":memory:",
     )
+
+
+def build_server(settings: GatewaySettings, log_level: str | None = None) -> uvicorn.Server:
+    """A uvicorn server for resolved `settings` (see `resolve`); `log_level` is uvicorn's."""
+    gateway = settings.gateway
+    if not gateway.port or not gateway.store:
+        raise ValueError("build_server needs resolved settings: a port and a store (see resolve())")
+    app = create_app(RolloutStore(gateway.store), settings, close_store=True)
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
-        log_level=log_level,
+        host=gateway.host,
+        port=gateway.port,
+        log_level=log_level or "warning",
         access_log=False,
         timeout_keep_alive=30,
         backlog=4096,
@@ -64,21 +65,42 @@ def wait_healthy(url: str, timeout: float = 30.0, process: subprocess.Popen | No
     raise TimeoutError(f"gateway at {url} not healthy after {timeout:.0f}s")
 
 
-class GatewayThread:
-    """The gateway on a background thread of this process (tests, small demos)."""
+class _Resolved:
+    """What a gateway thread and process share: resolved settings, and the URL they serve."""
 
-    def __init__(
-        self, store_path: str = ":memory:", admin_key: str = "admin", host: str = "127.0.0.1", port: int = 0, **kwargs
-    ) -> None:
-        self.host = host
-        self.port = port or free_port(host)
-        self.admin_key = admin_key
-        self.server = build_server(host=host, port=self.port, store_path=store_path, admin_key=admin_key, **kwargs)
-        self._thread = threading.Thread(target=self.server.run, name="rollover-gateway", daemon=True)
+    def __init__(self, settings: GatewaySettings | None, gateway: dict[str, Any]) -> None:
+        base = settings or GatewaySettings.from_config()
+        self.settings = resolve(base.with_gateway(**gateway))
+
+    @property
+    def host(self) -> str:
+        return self.settings.gateway.host
+
+    @property
+    def port(self) -> int:
+        return self.settings.gateway.port
+
+    @property
+    def admin_key(self) -> str:
+        key = self.settings.gateway.admin_key
+        assert key is not None  # resolved
+        return key
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+class GatewayThread(_Resolved):
+    """The gateway on a background thread of this process (tests, small demos).
+
+    `settings` default to the config's defaults; keyword arguments replace keys of their
+    `gateway` section (`GatewayThread(admin_key="k", max_body_bytes=1000)`); see `resolve`."""
+
+    def __init__(self, settings: GatewaySettings | None = None, **gateway: Any) -> None:
+        super().__init__(settings, gateway)
+        self.server = build_server(self.settings)
+        self._thread = threading.Thread(target=self.server.run, name="rollover-gateway", daemon=True)
 
     def start(self) -> GatewayThread:
         self._thread.start()
@@ -96,52 +118,31 @@ class GatewayThread:
         self.stop()
 
 
-class GatewayProcess:
-    """The gateway as a child process (`rollover gateway ...`), so trainer work never blocks it."""
+class GatewayProcess(_Resolved):
+    """The gateway as a child process (`rollover gateway --settings JSON`), so trainer work
+    never blocks it. `settings` and keyword arguments as for `GatewayThread`."""
 
     def __init__(
-        self,
-        store_path: str,
-        admin_key: str,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        log_path: str | Path | None = None,
-        extra_args: list[str] | None = None,
+        self, settings: GatewaySettings | None = None, *, log_path: str | Path | None = None, **gateway: Any
     ) -> None:
-        self.store_path = store_path
-        self.admin_key = admin_key
-        self.host = host
-        self.port = port or free_port(host)
+        super().__init__(settings, gateway)
         self.log_path = Path(log_path) if log_path else None
-        self.extra_args = extra_args or []
         self.process: subprocess.Popen | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
     def start(self, timeout: float = 30.0) -> GatewayProcess:
-        args = [
-            sys.executable,
-            "-m",
-            "rollover.cli.main",
-            "gateway",
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--store",
-            self.store_path,
-            "--key",
-            self.admin_key,
-            *self.extra_args,
-        ]
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
-        )
-        if log is not subprocess.DEVNULL:
-            log.close()
+        args = [sys.executable, "-m", "rollover.cli.main", "gateway", "--settings", self.settings.model_dump_json()]
+        log = open(self.log_path, "ab") if self.log_path else None
+        try:
+            self.process = subprocess.Popen(
+                args,
+                stdout=log or subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
+        finally:
+            if log is not None:
+                log.close()
         wait_healthy(self.url, timeout, self.process)
         return self
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollover.config import ConfigError, RolloverConfig, check_async_rollout, dump_config
+from rollover.config import ConfigError, GatewaySettings, RolloverConfig, check_async_rollout, dump_config
 
 log = logging.getLogger("rollover.run")
 
@@ -102,7 +102,6 @@ async def _run(config: RolloverConfig, shared_engine: Any = None) -> int:
     from rollover.controller import Controller
     from rollover.engine.vllm_engine import VLLMEngine
     from rollover.engine.watchdog import EngineWatchdog
-    from rollover.gateway.auth import new_admin_key
     from rollover.gateway.client import GatewayClient
     from rollover.gateway.server import GatewayProcess
     from rollover.metrics import MetricsLogger
@@ -124,30 +123,11 @@ async def _run(config: RolloverConfig, shared_engine: Any = None) -> int:
         model_path = str(checkpoint / "model")
     (run_dir / "config.yaml").write_text(dump_config(config))
 
-    admin_key = config.gateway.admin_key or new_admin_key()
-    store_path = config.gateway.store or str(run_dir / "store.db")
-    rollout = config.actor_rollout_ref.rollout
     gateway = GatewayProcess(
-        store_path,
-        admin_key,
-        host=config.gateway.host,
-        port=config.gateway.port,
-        log_path=run_dir / "gateway.log",
-        extra_args=[
-            "--train-temperature",
-            str(rollout.temperature),
-            "--val-temperature",
-            str(rollout.val_kwargs.temperature),
-            "--retry-after",
-            str(config.gateway.retry_after_seconds),
-            "--upstream-timeout",
-            str(config.gateway.upstream_timeout_seconds),
-            "--upstream-retries",
-            str(config.gateway.upstream_retries),
-            "--max-body-bytes",
-            str(config.gateway.max_body_bytes),
-        ],
+        GatewaySettings.from_config(config, store=config.gateway.store_path(run_dir)), log_path=run_dir / "gateway.log"
     )
+    admin_key = gateway.admin_key
+    rollout = config.actor_rollout_ref.rollout
     device = pick_device(config.trainer.device).type
     engine = shared_engine or VLLMEngine(
         model_path,

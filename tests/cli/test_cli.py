@@ -1,10 +1,14 @@
 """The `rollover` command: exit codes and one clear line on stderr for bad input."""
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +22,7 @@ def rollover(*args, timeout=120):
 def test_help_lists_every_command():
     result = rollover("--help")
     assert result.returncode == 0
-    for command in ("train", "gateway", "controller", "model", "simulate", "report"):
+    for command in ("train", "gateway", "controller", "config", "model", "simulate", "report"):
         assert command in result.stdout
 
 
@@ -54,3 +58,77 @@ def test_controller_bad_agent_class_names_the_key():
     )
     assert result.returncode == 2
     assert "agentlightning.local.agent_class" in result.stderr
+
+
+def test_config_defaults_prints_the_shipped_defaults():
+    result = rollover("config", "defaults")
+    assert result.returncode == 0
+    assert result.stdout == (ROOT / "rollover" / "configs" / "default.yaml").read_text()
+
+
+def test_config_show_prints_the_merged_validated_config():
+    result = rollover("config", "show", "examples/calc/config.yaml", "data.train_batch_size=3")
+    assert result.returncode == 0, result.stderr
+    shown = yaml.safe_load(result.stdout)
+    assert shown["data"]["train_batch_size"] == 3
+    assert shown["trainer"]["setup_hook"] == "examples.calc.prepare:prepare"  # from the file
+    assert shown["gateway"]["max_body_bytes"] == 16 * 1024 * 1024  # from the defaults
+    assert "# completed prompt groups consumed by one update" in result.stdout
+    only_overrides = rollover("config", "show", "gateway.port=8080")
+    assert yaml.safe_load(only_overrides.stdout)["gateway"]["port"] == 8080
+
+
+def test_config_show_bad_key_is_exit_2_with_one_line():
+    result = rollover("config", "show", "examples/calc/config.yaml", "gateway.prot=1")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown config key 'gateway.prot'" in lines[0]
+
+
+def test_gateway_alone_takes_its_defaults_from_the_config(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rollover.cli.main", "gateway", "gateway.max_body_bytes=1000"],
+        cwd=tmp_path,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stderr is not None
+        key = url = None
+        for line in process.stderr:  # the key, then the URL, once the server is built
+            key = line.split(": ", 1)[1].strip() if line.startswith("admin key: ") else key
+            if line.startswith("gateway http://"):
+                url = line.split()[1]
+                break
+        assert key and url and not url.endswith(":0"), "port 0 = a free port, printed"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{url}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        response = httpx.post(f"{url}/api/rollouts", content=b" " * 2000, headers={"x-api-key": key}, timeout=10)
+        assert response.status_code == 413 and "1000" in response.json()["reason"]
+        assert (tmp_path / "store.db").is_file()  # store: null = store.db in the working directory
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--port", "70000"], "config key 'gateway.port'"),
+        (["gateway.upstream_retries=-1"], "config key 'gateway.upstream_retries'"),
+        (["--settings", "{}", "gateway.port=1"], "--settings"),
+    ],
+)
+def test_gateway_bad_settings_are_exit_2_with_one_line(args, needle):
+    result = rollover("gateway", *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.stderr

@@ -194,7 +194,7 @@ async def test_gateway_rejection_is_an_error(
 
 async def test_registers_with_the_real_gateway(vllm_engine: VLLMEngine, tiny_model_dir: Path) -> None:
     server_mod = pytest.importorskip("rollover.gateway.server")
-    with server_mod.GatewayThread(store_path=":memory:", admin_key="k") as gateway:
+    with server_mod.GatewayThread(store=":memory:", admin_key="k") as gateway:
         await vllm_engine.register_with_gateway(gateway.url, "k")
         vllm_engine.attach_gateway(gateway.url, "k")
         try:

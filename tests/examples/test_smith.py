@@ -315,7 +315,7 @@ def test_agent_fixes_the_bug_with_a_scripted_policy(tasks, scripted_policy):
         {"name": "finish", "args": {}},
     ]
     with (
-        GatewayThread(store_path=":memory:", admin_key=ADMIN_KEY) as gateway,
+        GatewayThread(store=":memory:", admin_key=ADMIN_KEY) as gateway,
         httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30) as admin,
     ):
         admin.post("/api/models", json=[{"model": "policy", "endpoint": endpoint}]).raise_for_status()

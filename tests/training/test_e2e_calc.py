@@ -73,9 +73,9 @@ def test_async_window_not_larger_than_batch_is_rejected(tmp_path, calc_model):
         [
             f"trainer.default_local_dir={tmp_path}",
             f"actor_rollout_ref.model.path={calc_model}",
-            "agentlightning.async_rollout.enabled=true",
             "agentlightning.async_rollout.async_train_batch_size=4",
         ],
     )
+    config.agentlightning.async_rollout.enabled = True  # load_config would refuse it; run_training re-checks
     with pytest.raises(ValueError, match="async_train_batch_size=4.*train_batch_size=4"):
         run_training(config)

@@ -60,7 +60,8 @@ def test_staleness_cap_aborts_and_requeues_old_groups():
 
 
 def test_trainer_construction_checks_the_async_window():
-    config = load_config(None, ["agentlightning.async_rollout.enabled=true", "data.train_batch_size=4"])
+    config = load_config(None, ["data.train_batch_size=4"])
+    config.agentlightning.async_rollout.enabled = True  # a nested assignment skips the root validator
     with pytest.raises(ValueError, match="async_train_batch_size=None, train_batch_size=4"):
         Trainer(config=config, client=None, policy=None, weight_sync=None, train_tasks=[{"id": 1}])
 
