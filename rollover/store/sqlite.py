@@ -206,6 +206,10 @@ class RolloutStore:
             for name in ("k8s_job_name", "error_message"):
                 if name in given:
                     changes[name] = getattr(fields, name)
+            if current.state.terminal and current.status.error_message is not None:
+                # The first failure reason is the real one: a later FAILED -> FAILED (a
+                # controller's timeout sweep, a cleanup) must not bury it.
+                changes.pop("error_message", None)
             target = fields.state
             if target is not None and target != current.state:
                 if target not in LEGAL_TRANSITIONS[current.state]:

@@ -82,8 +82,9 @@ class Trainer:
         from rollover.training.manager import GatewayBackend
 
         rollout_config = {"timeout_seconds": self.config.agentlightning.rollout_timeout_seconds}
-        self.backend = self.backend or GatewayBackend(self.client, rollout_config, self.poll_interval)
-        self.manager = AsyncRolloutManager(self.backend, self.config.actor_rollout_ref.rollout.n)
+        self._backend: RolloutBackend = self.backend or GatewayBackend(self.client, rollout_config, self.poll_interval)
+        self.backend = self._backend
+        self.manager = AsyncRolloutManager(self._backend, self.config.actor_rollout_ref.rollout.n)
         self.loader = PromptLoader(self.train_tasks, seed=self.config.data.seed)
         self.rng = random.Random(self.config.trainer.seed)
         self._carry_over_rollouts: list[TrackedRollout] = []
@@ -103,8 +104,8 @@ class Trainer:
 
     @property
     def window_size(self) -> int:
-        async_cfg = self.config.agentlightning.async_rollout
-        return async_cfg.async_train_batch_size if self.async_enabled else self.config.data.train_batch_size
+        window = self.config.agentlightning.async_rollout.async_train_batch_size
+        return window if self.async_enabled and window is not None else self.config.data.train_batch_size
 
     def _next_train_batch_dict_for_rollout(self) -> list[Prompt]:
         """New prompts that top the active window back up to `async_train_batch_size` groups."""
@@ -127,7 +128,7 @@ class Trainer:
             else:
                 kept += group
         if aborted:
-            await self.backend.abort(aborted, f"stale: older than {cap} updates")
+            await self._backend.abort(aborted, f"stale: older than {cap} updates")
         self._carry_over_rollouts = kept
         return len(aborted)
 
@@ -183,7 +184,7 @@ class Trainer:
         else:
             leftovers = [r.rollout_id for r in result.new_carry_over_rollouts if not r.state.terminal]
             if leftovers:
-                await self.backend.abort(leftovers, "synchronous mode keeps no carry-over")
+                await self._backend.abort(leftovers, "synchronous mode keeps no carry-over")
             self._carry_over_rollouts = []
         inflight_at_pause, drain_seconds = await self._pause_and_drain_gateway()
         return result, inflight_at_pause, drain_seconds
@@ -258,10 +259,14 @@ class Trainer:
             # rollouts consumed now that were enqueued in an earlier step: carry-over paying off
             "training/async/n_completed_from_carry_over": sum(r.enqueued_step < step for r in completed),
         }
-        timed = [r for r in completed if r.created_at is not None and r.finished_at is not None]
-        queue_wait = [r.started_at - r.created_at for r in timed if r.started_at is not None]
-        run = [r.finished_at - r.started_at for r in timed if r.started_at is not None]
-        total = [r.finished_at - r.created_at for r in timed]
+        timed = [
+            (r.created_at, r.started_at, r.finished_at)
+            for r in completed
+            if r.created_at is not None and r.finished_at is not None
+        ]
+        queue_wait = [started - created for created, started, _ in timed if started is not None]
+        run = [finished - started for _, started, finished in timed if started is not None]
+        total = [finished - created for created, _, finished in timed]
         metrics.update(summarize("timing/rollout_queue_wait_s", queue_wait))
         metrics.update(summarize("timing/rollout_run_duration_s", run))
         metrics.update(summarize("timing/rollout_total_s", total))
@@ -279,14 +284,27 @@ class Trainer:
         rollout_wait = self.clock() - rollout_started - drain
 
         samples, sample_metrics = await self._collect_samples(result.completed_groups)
-        await self.weight_sync.before_update()
-        update_started = self.clock()
-        update_metrics = await asyncio.to_thread(self.policy.update, samples, self.rng)
-        update_s = self.clock() - update_started
-        self.policy_version += 1
-        sync_started = self.clock()
-        await self.weight_sync.sync(self.policy, self.policy_version)
-        sync_s = self.clock() - sync_started
+        update_metrics: dict[str, float] = {}
+        update_s = sync_s = 0.0
+        if samples:
+            await self.weight_sync.before_update()
+            update_started = self.clock()
+            update_metrics = await asyncio.to_thread(self.policy.update, samples, self.rng)
+            update_s = self.clock() - update_started
+            self.policy_version += 1
+            sync_started = self.clock()
+            await self.weight_sync.sync(self.policy, self.policy_version)
+            sync_s = self.clock() - sync_started
+        else:
+            # An update on nothing would still bump the version and move the optimizer state;
+            # the step is consumed (and counted) but the policy stays as it was.
+            log.warning(
+                "step %d: the %d completed group(s) have no samples (failed: %d, no recorded calls); "
+                "the policy is not updated",
+                step,
+                len(result.completed_groups),
+                int(sample_metrics["rollouts/n_failed"]),
+            )
         self.global_step += 1
 
         step_s = self.clock() - step_started
@@ -295,6 +313,7 @@ class Trainer:
             **sample_metrics,
             **update_metrics,
             "training/async/n_aborted_stale_rollouts": n_stale,
+            "training/update_skipped": 0.0 if samples else 1.0,
             "timing/step_s": step_s,
             "timing/rollout_wait_s": rollout_wait,
             "timing/update_s": update_s,
@@ -317,7 +336,7 @@ class Trainer:
         await self._resume_gateway()
         tasks = self.val_tasks[: self.config.data.val_batch_size]
         prompts = [Prompt(data_id=f"val-{self.global_step}-{i}", input=task) for i, task in enumerate(tasks)]
-        val_manager = AsyncRolloutManager(self.backend, train_rollout_n=1)
+        val_manager = AsyncRolloutManager(self._backend, train_rollout_n=1)
         result = await val_manager.enqueue_and_wait_until_group_completed(
             prompts, [], target_finished_group_num=len(prompts), step=self.global_step, is_train=False
         )
@@ -376,7 +395,7 @@ class Trainer:
         """After a crash the agents of unfinished rollouts are gone: abort every rollout still
         queued or running in the store, and re-queue carry-over groups that lost members."""
         stranded = await self.client.list_rollouts(state_in=[RolloutState.QUEUING, RolloutState.RUNNING])
-        await self.backend.abort([r.rollout_id for r in stranded], "trainer restarted")
+        await self._backend.abort([r.rollout_id for r in stranded], "trainer restarted")
         stranded_ids = {r.rollout_id for r in stranded}
         kept: list[TrackedRollout] = []
         for data_id, group in group_by_data_id(self._carry_over_rollouts).items():
@@ -390,7 +409,7 @@ class Trainer:
     async def abort_carry_over(self, reason: str) -> None:
         pending = [r.rollout_id for r in self._carry_over_rollouts if not r.state.terminal]
         if pending:
-            await self.backend.abort(pending, reason)
+            await self._backend.abort(pending, reason)
 
     # -- the loop -------------------------------------------------------------------------
 

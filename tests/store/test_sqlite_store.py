@@ -139,3 +139,25 @@ def test_reopening_the_file_keeps_everything(tmp_path):
     assert bundle.reward == 0.5
     assert run(second.get_rollout(rollout_id)).state == RolloutState.RUNNING
     second.close()
+
+
+def test_failed_again_keeps_the_first_error_message(store):
+    async def scenario():
+        [r] = await store.add_rollouts([RolloutCreate()])
+        await store.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING))
+        await store.update_status(
+            r.rollout_id, StatusFields(state=RolloutState.FAILED, error_message="openai.RateLimitError: 429")
+        )
+        again = await store.update_status(
+            r.rollout_id, StatusFields(state=RolloutState.FAILED, error_message="exit code 1")
+        )
+        assert again.status.state == RolloutState.FAILED
+        assert again.status.error_message == "openai.RateLimitError: 429"
+        assert again.attempts[0].error_message == "openai.RateLimitError: 429"
+        # a failure that had no message yet may still get one
+        [q] = await store.add_rollouts([RolloutCreate()])
+        await store.update_status(q.rollout_id, StatusFields(state=RolloutState.FAILED))
+        later = await store.update_status(q.rollout_id, StatusFields(state=RolloutState.FAILED, error_message="why"))
+        assert later.status.error_message == "why"
+
+    run(scenario())

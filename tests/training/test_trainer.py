@@ -91,3 +91,33 @@ def test_drain_timeout_names_the_stuck_rollouts(gateway, admin, stub):
     call.join()
     state = admin.get("/proxy/state").json()
     assert state["inflight"] == 0 and state["paused"] is True
+
+
+def test_a_step_without_samples_is_reported_and_leaves_the_policy_alone(caplog):
+    """Every completed rollout of step 0 failed (no recorded calls): nothing to train on."""
+    sim = Simulation(heavy_tail(steps=3), window=8)
+    real_triplets = sim.gateway.triplets
+    updates, syncs = [], []
+
+    async def nothing_in_step_0(rollout_id, attempt_id=None):
+        bundle = await real_triplets(rollout_id, attempt_id)
+        if sim.trainer.global_step == 0:
+            return bundle.model_copy(update={"triplets": []})
+        return bundle
+
+    real_update, real_sync = sim.trainer.policy.update, sim.trainer.weight_sync.sync
+    sim.gateway.triplets = nothing_in_step_0
+    sim.trainer.policy.update = lambda samples, rng: updates.append(len(samples)) or real_update(samples, rng)
+
+    async def counting_sync(policy, version):
+        syncs.append(version)
+        await real_sync(policy, version)
+
+    sim.trainer.weight_sync.sync = counting_sync
+    with caplog.at_level("WARNING", logger="rollover.trainer"):
+        history = sim.run().history
+    assert [row["training/update_skipped"] for row in history] == [1.0, 0.0, 0.0]
+    assert history[0]["rollouts/n_samples"] == 0
+    assert updates == [8, 8] and syncs == [1, 2]  # steps 1 and 2 only; versions not bumped by step 0
+    assert sim.trainer.policy_version == 2 and sim.trainer.global_step == 3
+    assert sum("the policy is not updated" in r.getMessage() for r in caplog.records) == 1
