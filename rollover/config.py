@@ -9,16 +9,20 @@ result with pydantic so that every mistake is reported as a `ConfigError` naming
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
+
+log = logging.getLogger("rollover.config")
 
 
 class ConfigError(ValueError):
@@ -51,6 +55,9 @@ class DataConfig(_Section):
         default=256, gt=0, description="token budget of a response (see max_prompt_length)"
     )
     seed: int = Field(default=0, description="seed of the prompt order")
+    filter_overlong_prompts: bool = Field(
+        default=False, description="verl's key, accepted: true has no effect (over-long samples are cut, not filtered)"
+    )
 
 
 class ModelConfig(_Section):
@@ -79,11 +86,21 @@ class RolloutConfig(_Section):
         ge=0,
         description="a crashed engine is restarted with its last weights this often, then the run stops",
     )
+    mode: Literal["async", "sync"] = Field(
+        default="async", description="verl's key, accepted: the engine is always vLLM's server (verl's async mode)"
+    )
 
 
 class OptimConfig(_Section):
     lr: float = Field(default=1e-5, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+
+
+class PolicyLossConfig(_Section):
+    loss_mode: str | None = Field(
+        default=None,
+        description="Agent Lightning's per_rollout_mean, accepted with no effect: the loss is the token-mean over the mini-batch",
+    )
 
 
 class ActorConfig(_Section):
@@ -96,6 +113,12 @@ class ActorConfig(_Section):
     clip_ratio: float = Field(default=0.2, gt=0, lt=1, description="PPO clip range of the importance ratio")
     clip_ratio_c: float = Field(default=3.0, gt=1, description="dual-clip constant")
     grad_clip: float = Field(default=1.0, gt=0, description="gradient norm clip")
+    calculate_entropy: bool = Field(
+        default=False, description="verl's key, accepted: true has no effect (no entropy metric is computed)"
+    )
+    policy_loss: PolicyLossConfig = Field(
+        default_factory=PolicyLossConfig, description="verl's policy-loss section (Agent Lightning sets it)"
+    )
 
 
 class ActorRolloutRefConfig(_Section):
@@ -125,7 +148,9 @@ class GatewayConfig(_Section):
 
 
 class LocalRunnerConfig(_Section):
-    agent_class: str | None = Field(default=None, description='"pkg.module:Class" with a run() method')
+    agent_class: str | None = Field(
+        default=None, description='"pkg.module:Class" (or Agent Lightning\'s "pkg.module.Class") with a run() method'
+    )
     env_map: dict[str, str] = Field(default={}, description="ENV_NAME: input.path")
     max_concurrency: int = Field(default=64, gt=0, description="agent processes running at once")
     start_method: Literal["forkserver", "spawn"] = Field(
@@ -139,10 +164,19 @@ class LocalRunnerConfig(_Section):
 
     @field_validator("agent_class")
     @classmethod
-    def _module_colon_class(cls, value: str | None) -> str | None:
-        if value is not None and (value.count(":") != 1 or not all(value.split(":"))):
-            raise ValueError(f"must look like 'pkg.module:Class', got {value!r}")
+    def _module_and_class(cls, value: str | None) -> str | None:
+        if value is not None and not is_class_spec(value):
+            raise ValueError(f"must look like 'pkg.module:Class' or 'pkg.module.Class', got {value!r}")
         return value
+
+
+def is_class_spec(spec: str) -> bool:
+    """`pkg.module:Class` (Rollover) or `pkg.module.Class` (Agent Lightning): dotted names only."""
+    module, sep, attribute = spec.partition(":")
+    if not sep:
+        module, _, attribute = spec.rpartition(".")
+    names = [*module.split("."), *attribute.split(".")]
+    return bool(module and attribute) and ":" not in attribute and all(n.isidentifier() for n in names)
 
 
 class K8sRunnerConfig(_Section):
@@ -170,6 +204,33 @@ class AsyncRolloutConfig(_Section):
     )
 
 
+def _gateway_address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"must be an http://host:port URL (Rollover's gateway serves plain HTTP), got {url!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"has a bad port: {url!r}") from None
+    return parts.hostname, port if port is not None else 80
+
+
+class TraceAggregatorConfig(_Section):
+    level: Literal["trajectory", "transition"] = Field(
+        default="trajectory",
+        description="trajectory: a call whose prompt extends the previous call joins its sample (tool tokens masked); transition: every call is its own sample",
+    )
+    trajectory_max_prompt_length: int | None = Field(
+        default=None, gt=0, description="trajectory level: with the next key, a sample's token budget (null = data's)"
+    )
+    trajectory_max_response_length: int | None = Field(
+        default=None, gt=0, description="trajectory level: a sample's budget after its first prompt (null = data's)"
+    )
+    trajectory_max_total_length: int | None = Field(
+        default=None, gt=0, description="trajectory level: a sample's whole token budget, at most (null = no extra cap)"
+    )
+
+
 class AgentLightningConfig(_Section):
     rollout_timeout_seconds: float = Field(
         default=1800, gt=0, description="a rollout running longer fails (paused time does not count)"
@@ -181,6 +242,35 @@ class AgentLightningConfig(_Section):
     async_rollout: AsyncRolloutConfig = Field(
         default_factory=AsyncRolloutConfig, description="the rollout window across updates"
     )
+    trace_aggregator: TraceAggregatorConfig = Field(
+        default_factory=TraceAggregatorConfig, description="how a rollout's model calls become training samples"
+    )
+    agl_base_url: str | None = Field(
+        default=None,
+        description="Agent Lightning's gateway URL: rollover train serves its gateway there (sets gateway.host/port)",
+    )
+    agl_key: str | None = Field(
+        default=None, description='Agent Lightning\'s name for gateway.admin_key ("" = generated, as null)'
+    )
+    hooks: str | None = Field(
+        default=None,
+        description="Agent Lightning's RolloutHooks file, accepted with no effect: rewards come from reward events",
+    )
+    reward_fillna_value: float | None = Field(
+        default=None, description="Agent Lightning's name for algorithm.reward_fillna_value"
+    )
+    max_ppo_update_times: int | None = Field(
+        default=None,
+        gt=0,
+        description="Agent Lightning's cap on optimizer steps per update, accepted with no effect: ppo_epochs and ppo_mini_batch_size decide",
+    )
+
+    @field_validator("agl_base_url")
+    @classmethod
+    def _plain_http(cls, value: str | None) -> str | None:
+        if value is not None:
+            _gateway_address(value)
+        return value
 
 
 class RolloutCorrectionConfig(_Section):
@@ -192,6 +282,9 @@ class RolloutCorrectionConfig(_Section):
 
 class AlgorithmConfig(_Section):
     adv_estimator: Literal["grpo", "rloo"] = Field(default="grpo", description="grpo | rloo")
+    enable_rollout_level_advantage: Literal[True] = Field(
+        default=True, description="Agent Lightning's key: a rollout's advantage applies to all its samples (always)"
+    )
     reward_fillna_value: float = Field(default=0.0, description="reward of a failed rollout or one that reported none")
     rollout_correction: RolloutCorrectionConfig = Field(
         default_factory=RolloutCorrectionConfig, description="off-policy correction of stale samples"
@@ -237,8 +330,17 @@ class RolloverConfig(_Section):
 
     @model_validator(mode="after")
     def _rules_across_sections(self) -> RolloverConfig:
+        self._adopt_agent_lightning_names()
         self.check_async_window()
         return self
+
+    def _adopt_agent_lightning_names(self) -> None:
+        """Agent Lightning's names for Rollover keys win when set (`load_config` refuses a
+        file that sets both names to different values)."""
+        agl = self.agentlightning
+        for rollover_key, value in agent_lightning_mapped_values(agl).items():
+            section, name = rollover_key.split(".")
+            setattr(getattr(self, section), name, value)
 
     def check_async_window(self) -> None:
         """The seed's rule: an async rollout window is set and larger than the batch."""
@@ -252,6 +354,86 @@ class RolloverConfig(_Section):
                 f"(got async_train_batch_size={window}, train_batch_size={train}); "
                 f"a good start is {2 * train}"
             )
+
+
+# -- Agent Lightning's keys --------------------------------------------------------------
+
+# Agent Lightning's name -> Rollover's key it sets (values from `agent_lightning_mapped_values`).
+AGENT_LIGHTNING_NAMES: dict[str, tuple[str, ...]] = {
+    "agentlightning.agl_base_url": ("gateway.host", "gateway.port"),
+    "agentlightning.agl_key": ("gateway.admin_key",),
+    "agentlightning.reward_fillna_value": ("algorithm.reward_fillna_value",),
+}
+# Hydra's composition directives in Agent Lightning's YAML (its `defaults: [ppo_trainer, _self_]`).
+HYDRA_DIRECTIVES = ("hydra", "defaults")
+
+
+def agent_lightning_mapped_values(agl: AgentLightningConfig) -> dict[str, Any]:
+    """Rollover's `section.key` -> the value Agent Lightning's names in `agl` give it."""
+    values: dict[str, Any] = {}
+    if agl.agl_base_url is not None:
+        values["gateway.host"], values["gateway.port"] = _gateway_address(agl.agl_base_url)
+    if agl.agl_key:  # Agent Lightning's default "" means no key: Rollover generates one
+        values["gateway.admin_key"] = agl.agl_key
+    if agl.reward_fillna_value is not None:
+        values["algorithm.reward_fillna_value"] = agl.reward_fillna_value
+    return values
+
+
+def agent_lightning_notes(config: RolloverConfig) -> list[str]:
+    """One line per Agent Lightning / verl key that is accepted but changes nothing here."""
+    agl = config.agentlightning
+    actor = config.actor_rollout_ref.actor
+    no_effect = {
+        "agentlightning.hooks": (agl.hooks is not None, "rewards come from the agents' reward events"),
+        "agentlightning.max_ppo_update_times": (
+            agl.max_ppo_update_times is not None,
+            "optimizer steps per update follow actor_rollout_ref.actor.ppo_epochs and ppo_mini_batch_size",
+        ),
+        "actor_rollout_ref.actor.policy_loss.loss_mode": (
+            actor.policy_loss.loss_mode is not None,
+            "the policy loss is the token-mean over each mini-batch",
+        ),
+        "actor_rollout_ref.actor.calculate_entropy": (actor.calculate_entropy, "no entropy metric is computed"),
+        "actor_rollout_ref.rollout.mode": (
+            config.actor_rollout_ref.rollout.mode == "sync",
+            "the engine is always vLLM's OpenAI server (verl's async mode)",
+        ),
+        "data.filter_overlong_prompts": (
+            config.data.filter_overlong_prompts,
+            "a sample over its token budget is cut, not filtered",
+        ),
+    }
+    return [
+        f"config key '{key}' (Agent Lightning / verl) has no effect in Rollover: {why}"
+        for key, (given, why) in no_effect.items()
+        if given
+    ]
+
+
+def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}` (the keys a user gave, by their dotted names)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _check_both_names(given: dict[str, Any], config: RolloverConfig) -> None:
+    """A file that sets a key under both names must agree with itself."""
+    mapped = agent_lightning_mapped_values(config.agentlightning)
+    for agl_key, rollover_keys in AGENT_LIGHTNING_NAMES.items():
+        if agl_key not in given:
+            continue
+        for key in rollover_keys:
+            if key in given and key in mapped and given[key] != mapped[key]:
+                raise ConfigError(
+                    f"config keys '{agl_key}' ({given[agl_key]!r}) and '{key}' ({given[key]!r}) disagree: "
+                    "set one of them"
+                )
 
 
 class GatewaySettings(BaseModel):
@@ -371,6 +553,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        directives = [key for key in HYDRA_DIRECTIVES if key in loaded]
+        if directives:
+            log.warning(
+                "config keys %s (Hydra's composition) have no effect in Rollover: its own defaults are the base",
+                ", ".join(f"'{key}'" for key in directives),
+            )
+            loaded = {key: value for key, value in loaded.items() if key not in directives}
         layers.append(OmegaConf.create(loaded))
     for item in overrides:
         if "=" not in item:
@@ -380,10 +569,16 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             layers.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(*layers)
         raw = OmegaConf.to_container(merged, resolve=True)
+        user = OmegaConf.to_container(OmegaConf.merge({}, *layers[1:]), resolve=False)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot merge config: {exc}") from None
     assert isinstance(raw, dict)
-    return validate_config({str(key): value for key, value in raw.items()})
+    config = validate_config({str(key): value for key, value in raw.items()})
+    assert isinstance(user, dict)
+    _check_both_names(_dotted({str(key): value for key, value in user.items()}), config)
+    for note in agent_lightning_notes(config):
+        log.warning("%s", note)
+    return config
 
 
 def check_async_rollout(config: RolloverConfig) -> None:

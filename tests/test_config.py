@@ -133,3 +133,115 @@ def test_the_rule_is_checked_again_after_a_nested_assignment():
         check_async_rollout(config)
     config.agentlightning.async_rollout.async_train_batch_size = 16
     check_async_rollout(config)
+
+
+# -- Agent Lightning's names --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["examples.calc.agent:CalcAgent", "examples.calc.agent.CalcAgent", "m.A", "m:A.B"])
+def test_agent_class_in_either_form(spec):
+    assert load_config(None, [f"agentlightning.local.agent_class={spec}"]).agentlightning.local.agent_class == spec
+
+
+@pytest.mark.parametrize("spec", ["Agent", "pkg.module:", ":Class", "a:b:c", "pkg..Class", "pkg.mod-ule.Class"])
+def test_agent_class_that_names_no_class_is_refused(spec):
+    with pytest.raises(ConfigError, match=r"agentlightning\.local\.agent_class"):
+        load_config(None, [f"agentlightning.local.agent_class={spec}"])
+
+
+AGL_STYLE = """\
+hydra:
+  searchpath: [pkg://somewhere]
+defaults: [ppo_trainer, _self_]
+algorithm:
+  enable_rollout_level_advantage: true
+data:
+  train_batch_size: 2
+  filter_overlong_prompts: false
+actor_rollout_ref:
+  actor:
+    calculate_entropy: false
+    policy_loss:
+      loss_mode: per_rollout_mean
+  rollout:
+    mode: async
+    n: 2
+agentlightning:
+  agl_base_url: http://127.0.0.1:18080
+  agl_key: my-key
+  hooks: null
+  rollout_timeout_seconds: 300
+  local:
+    agent_class: my_agents.calc.Agent
+    env_map: {QUESTION: input.question}
+  reward_fillna_value: -1.0
+  max_ppo_update_times: 2
+  trace_aggregator:
+    level: transition
+    trajectory_max_prompt_length: 1024
+    trajectory_max_response_length: 4096
+  async_rollout:
+    enabled: true
+    async_train_batch_size: 4
+"""
+
+
+def test_an_agent_lightning_yaml_loads_with_its_keys_mapped(tmp_path, caplog):
+    path = tmp_path / "agl.yaml"
+    path.write_text(AGL_STYLE)
+    with caplog.at_level("WARNING", logger="rollover.config"):
+        config = load_config(path)
+    assert (config.gateway.host, config.gateway.port) == ("127.0.0.1", 18080)
+    assert config.gateway.admin_key == "my-key"
+    assert config.algorithm.reward_fillna_value == -1.0
+    assert config.agentlightning.local.agent_class == "my_agents.calc.Agent"
+    assert config.agentlightning.trace_aggregator.level == "transition"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3, lines  # Hydra's directives, max_ppo_update_times, loss_mode: one line each
+    assert any("'hydra', 'defaults'" in line for line in lines)
+    assert any("'agentlightning.max_ppo_update_times'" in line and "no effect" in line for line in lines)
+    assert any("'actor_rollout_ref.actor.policy_loss.loss_mode'" in line for line in lines)
+    # what `rollover config show` prints loads back as the same config
+    shown = tmp_path / "shown.yaml"
+    shown.write_text(config_yaml(config))
+    assert load_config(shown) == config
+
+
+def test_agent_lightning_defaults_change_nothing():
+    config = load_config(
+        None,
+        ["agentlightning.agl_key=", "agentlightning.reward_fillna_value=0.0", "agentlightning.hooks=null"],
+    )
+    assert config.gateway.admin_key is None  # "" is Agent Lightning's "no key": one is generated
+    assert config == load_config(None, ["agentlightning.agl_key=", "agentlightning.reward_fillna_value=0.0"])
+    assert config.gateway.port == 0 and config.algorithm.reward_fillna_value == 0.0
+
+
+@pytest.mark.parametrize(
+    "agl,rollover,agreeing",
+    [
+        (
+            "agentlightning.reward_fillna_value=-1",
+            "algorithm.reward_fillna_value=0.5",
+            "algorithm.reward_fillna_value=-1",
+        ),
+        ("agentlightning.agl_base_url=http://127.0.0.1:8080", "gateway.port=9090", "gateway.port=8080"),
+        ("agentlightning.agl_key=a", "gateway.admin_key=b", "gateway.admin_key=a"),
+    ],
+)
+def test_both_names_must_agree(agl, rollover, agreeing):
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, [agl, rollover])
+    assert f"'{agl.split('=')[0]}'" in str(excinfo.value) and f"'{rollover.split('=')[0]}'" in str(excinfo.value)
+    load_config(None, [agl, agreeing])
+
+
+@pytest.mark.parametrize("url", ["https://example.org:8080", "localhost:8080", "http://:8080", "http://h:99999"])
+def test_agl_base_url_must_be_a_plain_http_url(url):
+    with pytest.raises(ConfigError, match=r"agentlightning\.agl_base_url"):
+        load_config(None, [f"agentlightning.agl_base_url={url}"])
+
+
+def test_rollout_level_advantage_cannot_be_switched_off():
+    with pytest.raises(ConfigError, match=r"algorithm\.enable_rollout_level_advantage"):
+        load_config(None, ["algorithm.enable_rollout_level_advantage=false"])

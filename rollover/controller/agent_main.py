@@ -1,4 +1,5 @@
-"""Entry point of one agent process: `python -m rollover.controller.agent_main pkg.mod:Class`.
+"""Entry point of one agent process: `python -m rollover.controller.agent_main pkg.mod:Class`
+(or Agent Lightning's `pkg.mod.Class`).
 
 The local runner starts this in a fresh process group with the agent env contract set; a
 Kubernetes Job template can use it as the container command too. The class is instantiated
@@ -28,12 +29,33 @@ class AgentClassError(ValueError):
     """The agent class spec does not name an importable class with a `run()` method."""
 
 
+def _import_dotted(spec: str) -> tuple[Any, str, str]:
+    """Agent Lightning's `pkg.module.Class`: the longest importable module prefix, then attributes."""
+    parts = spec.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            return importlib.import_module(module_name), module_name, ".".join(parts[cut:])
+        except ModuleNotFoundError as exc:
+            # Only "this prefix is not a module" moves on; a module that imports something
+            # missing is the agent's error and is reported as such.
+            if exc.name is None or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
+                raise
+    raise ModuleNotFoundError(f"no module named {parts[0]!r}", name=parts[0])
+
+
 def load_agent_class(spec: str) -> type:
+    """`pkg.module:Class` (Rollover) or `pkg.module.Class` (Agent Lightning) -> the class."""
     module_name, sep, attr_path = spec.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise AgentClassError(f"{spec!r} must look like 'pkg.module:Class'")
+    if sep and not (module_name and attr_path):
+        raise AgentClassError(f"{spec!r} must look like 'pkg.module:Class' or 'pkg.module.Class'")
+    if not sep and "." not in spec.strip("."):
+        raise AgentClassError(f"{spec!r} must look like 'pkg.module:Class' or 'pkg.module.Class'")
     try:
-        target: Any = importlib.import_module(module_name)
+        if sep:
+            target: Any = importlib.import_module(module_name)
+        else:
+            target, module_name, attr_path = _import_dotted(spec)
     except Exception as exc:  # an agent module may fail to import in any way
         raise AgentClassError(f"cannot import module {module_name!r} of {spec!r}: {exc!r}") from exc
     for part in attr_path.split("."):
@@ -86,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = argv[0] if argv else os.environ.get(CLASS_ENV, "")
     if not spec:
-        print(f"usage: python -m rollover.controller.agent_main pkg.module:Class (or set {CLASS_ENV})", file=sys.stderr)
+        print(
+            f"usage: python -m rollover.controller.agent_main pkg.module:Class|pkg.module.Class (or set {CLASS_ENV})",
+            file=sys.stderr,
+        )
         return 2
     run_agent(spec)
     return 0

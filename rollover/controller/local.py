@@ -96,10 +96,10 @@ class LocalRunner:
         self.kill_grace_seconds = kill_grace_seconds
         self._checked: dict[str, str | None] = {}  # agent class spec -> import error, if any
         self._live: set[LocalExecution] = set()
-        self._reapers: set[asyncio.Task[None]] = set()
+        self._reapers: set[asyncio.Task[int | None]] = set()
         if config.agent_class is None:
             raise ControllerConfigError(
-                "agentlightning.local.agent_class must be set to 'pkg.module:Class' for the local runner"
+                "agentlightning.local.agent_class must be set to 'pkg.module:Class' (or 'pkg.module.Class') for the local runner"
             )
         error = self._check_class(config.agent_class)
         if error:

@@ -80,8 +80,10 @@ def build_samples(
     triplets: Sequence[Mapping[str, Any]],
     reward: float,
     max_length: int | None,
+    merge: bool = True,
 ) -> list[Sample]:
-    """Merge a rollout's calls (in call order) into as few samples as the prefix rule allows.
+    """Merge a rollout's calls (in call order) into as few samples as the prefix rule allows
+    (`merge=False`: every call is its own sample, Agent Lightning's `transition` level).
 
     A response recorded without logprobs (``response_logprobs`` is None) gets NaN behaviour
     logprobs: this module cannot know the right fallback, so the caller must either recompute
@@ -112,7 +114,7 @@ def build_samples(
                     f"{len(response)} response tokens"
                 )
 
-        if current is not None and current.extends_into(prompt):
+        if merge and current is not None and current.extends_into(prompt):
             current.add_context(prompt[len(current.input_ids) :])
         else:
             current = _Builder()

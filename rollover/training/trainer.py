@@ -191,9 +191,22 @@ class Trainer:
 
     # -- samples --------------------------------------------------------------------------
 
+    def _sample_budget(self) -> tuple[int, bool]:
+        """A sample's token budget and whether calls merge (`agentlightning.trace_aggregator`)."""
+        data = self.config.data
+        aggregator = self.config.agentlightning.trace_aggregator
+        if aggregator.level == "transition":
+            return data.max_prompt_length + data.max_response_length, False
+        budget = (aggregator.trajectory_max_prompt_length or data.max_prompt_length) + (
+            aggregator.trajectory_max_response_length or data.max_response_length
+        )
+        if aggregator.trajectory_max_total_length is not None:
+            budget = min(budget, aggregator.trajectory_max_total_length)
+        return budget, True
+
     async def _collect_samples(self, groups: list[list[TrackedRollout]]) -> tuple[list[Sample], dict[str, float]]:
         fill = self.config.algorithm.reward_fillna_value
-        max_length = self.config.data.max_prompt_length + self.config.data.max_response_length
+        max_length, merge = self._sample_budget()
         rewards: list[float] = []
         group_ids: list[str] = []
         per_rollout_samples: list[list[Sample]] = []
@@ -211,7 +224,9 @@ class Trainer:
                 reward = fill
             triplets = [t.model_dump() for t in bundle.triplets]
             samples = (
-                build_samples(rollout.rollout_id, rollout.data_id, triplets, reward, max_length) if triplets else []
+                build_samples(rollout.rollout_id, rollout.data_id, triplets, reward, max_length, merge)
+                if triplets
+                else []
             )
             rewards.append(reward)
             group_ids.append(rollout.data_id)

@@ -75,6 +75,16 @@ async def test_success_reports_reward_sync_and_async_agents(
     assert (tmp_path / "logs" / f"{sync_id}.a1.log").exists()
 
 
+async def test_agent_lightning_dotted_class_runs(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
+    async with controller(client, tmp_path, "RewardAgent", local={"agent_class": f"{AGENTS}.RewardAgent"}):
+        rollout_id = await enqueue(
+            client, "dotted", {"reward": 0.25}, config={"local": {"agent_class": f"{AGENTS}.AsyncRewardAgent"}}
+        )
+        done = await wait_for_rollout(client, rollout_id)
+    assert done.state == RolloutState.SUCCEEDED, done.status
+    assert (await client.triplets(rollout_id)).reward == 0.5  # the rollout's own class ran
+
+
 async def test_non_daemon_threads_finish_before_the_agent_exits(
     client: GatewayClient, tmp_path: Path, controller: Any
 ) -> None:
@@ -211,6 +221,8 @@ async def test_env_contract_and_env_map(
     [
         ("tests.controller.agents:Nope", "has no attribute"),
         ("no_such_module_xyz:Agent", "cannot import module"),
+        ("tests.controller.agents.Nope", "has no attribute"),  # Agent Lightning's dotted form
+        ("no_such_module_xyz.Agent", "cannot import module"),
         ("tests.controller.agents:NoRun", "no run() method"),
         (None, "must be set"),
     ],

@@ -35,6 +35,34 @@ def test_extending_calls_merge_into_one_sample() -> None:
     assert s.token_versions == [-1, -1, -1, 0, 0, -1, -1, 1, -1, 1, 1]
 
 
+def test_transition_level_keeps_every_call_its_own_sample() -> None:
+    samples = build_samples("r1", "g1", MULTI_TURN, reward=1.0, max_length=None, merge=False)
+    assert [s.input_ids for s in samples] == [c["prompt_token_ids"] + c["response_token_ids"] for c in MULTI_TURN]
+    assert samples[1].loss_mask == [0] * 7 + [1]
+
+
+def test_trace_aggregator_sets_the_sample_budget() -> None:
+    from rollover.config import load_config
+    from rollover.training.trainer import Trainer
+
+    def budget(*overrides: str) -> tuple[int, bool]:
+        config = load_config(None, ["data.max_prompt_length=100", "data.max_response_length=50", *overrides])
+        trainer = Trainer(config=config, client=None, policy=None, weight_sync=None, train_tasks=[{"id": 1}])  # type: ignore[arg-type]
+        return trainer._sample_budget()
+
+    assert budget() == (150, True)
+    level = "agentlightning.trace_aggregator"
+    assert budget(f"{level}.trajectory_max_prompt_length=1000", f"{level}.trajectory_max_response_length=4000") == (
+        5000,
+        True,
+    )
+    assert budget(f"{level}.trajectory_max_response_length=4000", f"{level}.trajectory_max_total_length=2000") == (
+        2000,
+        True,
+    )
+    assert budget(f"{level}.level=transition", f"{level}.trajectory_max_response_length=4000") == (150, False)
+
+
 def test_non_extending_call_starts_new_sample() -> None:
     triplets = MULTI_TURN[:2] + [
         _call([1, 2, 99], [15], [-0.6], 2),  # context was rewritten: not a prefix extension
