@@ -268,7 +268,7 @@ def summarise_run(mode: str, window: int, run_dir: Path, wall_s: float) -> ModeR
 
 
 def run_mode(settings: Settings, engine: Any, model: Path, data: tuple[Path, Path], window: int | None) -> ModeResult:
-    from rollover.training.run import run_training
+    from rollover.launch import run_training
 
     name = "sync" if window is None else f"async-w{window}"
     run_dir = settings.out_dir / name
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("WANDB_MODE", "offline")
-    # run_training's basicConfig is then a no-op: the figures are not buried in INFO lines.
+    # Warnings only: the figures are not buried in INFO lines.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     report = run_benchmark(settings_from(args), SWEEP_WINDOWS if args.sweep else (args.window,))
     print(json.dumps(report.to_json()) if args.json else format_report(report))

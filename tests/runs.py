@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from rollover.config import load_config
+from rollover.launch import run_training
 from rollover.metrics import read_jsonl
-from rollover.training.run import run_training
 
 SEED_ASYNC_METRICS = (
     "training/async/n_prev_carry_over_rollouts",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rollover.training.run import example_main
+from examples.launcher import example_main
 
 if __name__ == "__main__":
     sys.exit(example_main(Path(__file__).with_name("config.yaml"), __doc__))

@@ -64,12 +64,14 @@ def config_show(args: argparse.Namespace) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
+    from rollover.cli.logs import configure_logging
     from rollover.config import load_config
     from rollover.engine.vllm_engine import EngineError
-    from rollover.training.run import run_training
+    from rollover.launch import run_training
 
     try:
         config = load_config(args.config, args.overrides)
+        configure_logging()
         return run_training(config)
     except (ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -79,11 +81,13 @@ def train(args: argparse.Namespace) -> int:
 
 
 def controller(args: argparse.Namespace) -> int:
+    from rollover.cli.logs import CONTROLLER_FORMAT, configure_logging
     from rollover.config import load_config
     from rollover.controller.main import run_controller
 
     try:
         config = load_config(args.config, [*args.overrides, f"agentlightning.runner={args.runner}"])
+        configure_logging(CONTROLLER_FORMAT, quiet_httpx=False)
         return run_controller(config, gateway_url=args.gateway, admin_key=args.key, log_dir=args.log_dir)
     except (ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from None

@@ -55,7 +55,5 @@ async def _check_gateway(client: GatewayClient) -> None:
 def run_controller(
     config: RolloverConfig, *, gateway_url: str, admin_key: str, log_dir: str | Path | None = None
 ) -> int:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(config, gateway_url=gateway_url, admin_key=admin_key, log_dir=log_dir))
     return 0

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from rollover.config import load_config
-from rollover.training.run import run_training
+from rollover.launch import run_training
 from tests.runs import train_briefly
 
 pytestmark = pytest.mark.vllm

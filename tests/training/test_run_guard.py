@@ -6,7 +6,7 @@ import pytest
 
 from rollover.engine.vllm_engine import EngineError
 from rollover.engine.watchdog import EngineWatchdog
-from rollover.training.run import _until_first_done
+from rollover.launch import _until_first_done
 
 
 class DeadEngine:

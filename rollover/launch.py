@@ -1,28 +1,31 @@
-"""`rollover train`: store, gateway, vLLM engine, controller and trainer on one machine."""
+"""The composition root of `rollover train`: store, gateway, vLLM engine, controller and
+trainer built and wired on one machine. The parts know only their own neighbours' protocols;
+this module is the one place that imports them all."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib
 import json
-import logging
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollover.config import ConfigError, GatewaySettings, RolloverConfig, check_async_rollout, dump_config
 
-log = logging.getLogger("rollover.run")
+if TYPE_CHECKING:
+    from rollover.engine.vllm_engine import VLLMEngine
 
 
 def import_object(spec: str, key: str) -> Any:
     """`pkg.module:name` → the object, with an error naming the config key."""
     if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # examples are imported from the working directory
+        # Hooks named in a config (`examples.calc.prepare:setup`) are found from the working
+        # directory, as `python -m` would find them; the `rollover` script's own folder is not it.
+        sys.path.insert(0, os.getcwd())
     module_name, _, attribute = spec.partition(":")
     try:
         return getattr(importlib.import_module(module_name), attribute)
@@ -57,38 +60,11 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return checkpoint if (checkpoint / "trainer_state.json").is_file() else None
 
 
-class EngineWeightSync:
-    """Collocated weight sync: save safetensors, reload them in the running vLLM server.
-    `lock` is shared with the engine watchdog, so a restart never races a reload."""
-
-    def __init__(self, engine: Any, weights_root: Path, lock: asyncio.Lock | None = None) -> None:
-        self.engine = engine
-        self.weights_root = weights_root
-        self.lock = lock or asyncio.Lock()
-
-    async def before_update(self) -> None:
-        if getattr(self.engine, "device", "cpu") == "cuda":
-            await self.engine.sleep(1)  # give the KV cache's memory to the update
-
-    async def sync(self, policy: Any, version: int) -> None:
-        from rollover.engine.weights import save_weights
-
-        target = self.weights_root / f"v{version}"
-        await asyncio.to_thread(save_weights, policy.model, target)
-        async with self.lock:
-            await self.engine.load_weights(target, version=version)
-        for old in self.weights_root.glob("v*"):
-            if old != target:
-                shutil.rmtree(old, ignore_errors=True)
-
-
-def run_training(config: RolloverConfig, engine: Any = None) -> int:
+def run_training(config: RolloverConfig, engine: VLLMEngine | None = None) -> int:
     """The whole system for one run. `engine`: an already running `VLLMEngine` serving the
     same tokenizer (tests share one across runs); its weights are reset to the run's model."""
     check_async_rollout(config)
     config = apply_setup_hook(config)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     return asyncio.run(_run(config, engine))
 
 
@@ -98,10 +74,11 @@ def _required(value: str | None, key: str) -> str:
     return value
 
 
-async def _run(config: RolloverConfig, shared_engine: Any = None) -> int:
+async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) -> int:
     from rollover.controller import Controller
     from rollover.engine.vllm_engine import VLLMEngine
     from rollover.engine.watchdog import EngineWatchdog
+    from rollover.engine.weight_sync import EngineWeightSync
     from rollover.gateway.client import GatewayClient
     from rollover.gateway.server import GatewayProcess
     from rollover.metrics import MetricsLogger
@@ -210,8 +187,9 @@ async def _until_first_done(main: Any, guard: Any) -> Any:
             if not task.done():
                 task.cancel()
         await asyncio.gather(main_task, guard_task, return_exceptions=True)
-    if guard_task.done() and not guard_task.cancelled() and guard_task.exception() is not None:
-        raise guard_task.exception()  # type: ignore[misc]
+    failure = guard_task.exception() if guard_task.done() and not guard_task.cancelled() else None
+    if failure is not None:
+        raise failure
     return main_task.result()
 
 
@@ -222,32 +200,3 @@ def _restore(trainer: Any, policy: Any, checkpoint: Path) -> None:
     optimizer_state = checkpoint / "optimizer.pt"
     if optimizer_state.is_file():
         policy.optimizer.load_state_dict(torch.load(optimizer_state, map_location=policy.device))
-
-
-def example_main(config_path: str | Path, description: str | None = None, argv: list[str] | None = None) -> int:
-    """The command line shared by the examples' `train_*_agent.py` scripts:
-    `[--async] [--config C] [key=value ...]`, where `--async` sets the seed's recommended
-    window, async_train_batch_size = 2 * train_batch_size."""
-    import argparse
-
-    from rollover.config import load_config
-
-    root = Path(config_path).resolve().parents[2]
-    # Agent processes import `examples.*` too, from wherever the script is run.
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--async", dest="use_async", action="store_true", help="async rollout, window = 2 x batch")
-    parser.add_argument("--config", default=str(config_path))
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.overrides)
-        if args.use_async:
-            config.agentlightning.async_rollout.enabled = True
-            config.agentlightning.async_rollout.async_train_batch_size = 2 * config.data.train_batch_size
-        return run_training(config)
-    except (ConfigError, ValueError) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
