@@ -11,7 +11,7 @@ and the figures of all runs are printed together:
 - trainer idle fraction (mean `timing/trainer_idle_fraction`), mean/max carry-over age
   (`training/async/new_carry_over_age_max_steps`), mean drain (`proxy_drain_seconds`);
 - the ideal speed-up for the rollout durations measured in the sync run's store
-  (`rollover.training.simulate.ideal_speedup`), and the measured speed-up as a fraction of it.
+  (`rollover.simulate.ideal_step_seconds`), and the measured speed-up as a fraction of it.
 
 Usage: python benchmarks/async_vs_sync.py [--median 3.0] [--sigma 1.0] [--batch 4] [--n 4]
        [--updates 6] [--sweep] [--json]
@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 
 from rollover.config import RolloverConfig, load_config  # noqa: E402
 from rollover.metrics import read_jsonl  # noqa: E402
-from rollover.training.simulate import ideal_speedup, load_durations, window_sizes  # noqa: E402
+from rollover.simulate import ideal_step_seconds, load_durations, window_sizes  # noqa: E402
 
 CALC_CONFIG = ROOT / "examples" / "calc" / "config.yaml"
 SWEEP_WINDOWS = (1.25, 1.5, 2.0, 3.0, 4.0)
@@ -316,9 +316,9 @@ def run_benchmark(settings: Settings, multipliers: Sequence[float] = (2.0,), eng
             engine.stop()
     durations = load_durations(sync.run_dir).durations
     update_s = sync.busy_s_mean  # what each step spends not rolling out, rollouts frozen meanwhile
-    ideal = ideal_speedup(
+    ideal = ideal_step_seconds(
         list(durations), settings.batch, settings.n, update_s, capacity=settings.agents, seed=settings.seed
-    )
+    ).speedup
     ordered = sorted(durations)
     return Report(
         settings={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()}

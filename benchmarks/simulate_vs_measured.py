@@ -1,6 +1,6 @@
 """The capacity planner against the real system: predicted vs measured async/sync speed-up.
 
-`rollover.training.simulate` runs the real trainer loop in virtual time. Here it gets what a
+`rollover.simulate` runs the real trainer loop in virtual time. Here it gets what a
 real run measured: the rollout durations from the sync run's store (or a `--durations`
 file), the trainer's time per step outside the rollout (update + weight sync, from the sync
 run's metrics), the async run's mean drain, and the same batch, n, window, agent capacity and
@@ -24,7 +24,7 @@ import os
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,20 +35,29 @@ if str(ROOT) not in sys.path:
 from benchmarks import async_vs_sync  # noqa: E402
 from benchmarks.async_vs_sync import ModeResult  # noqa: E402
 from rollover.config import load_config  # noqa: E402
-from rollover.training.simulate import Empirical, Scenario, load_durations, simulate, window_sizes  # noqa: E402
+from rollover.simulate import Empirical, Scenario, load_durations, simulate, window_sizes  # noqa: E402
+
+# What the planner is told about the real system ("inputs") is a `Scenario`: the measured
+# durations (`Empirical`), batch, n, capacity, as many updates as were measured, the trainer's
+# time per step outside the rollout minus the weight sync (`update_seconds`) and the weight
+# sync (`sync_seconds`). Drain, seed and freezing are set per simulated run.
 
 
-@dataclass(frozen=True)
-class Inputs:
-    """What the planner is told about the real system."""
+def measured_durations(inputs: Scenario) -> tuple[float, ...]:
+    assert isinstance(inputs.distribution, Empirical)
+    return inputs.distribution.durations
 
-    durations: Empirical
-    batch: int
-    n: int
-    capacity: int
-    updates: int  # per simulated run, as many as were measured
-    update_s: float  # trainer time per step outside the rollout, minus the weight sync
-    sync_s: float  # weight sync per step
+
+def inputs_json(inputs: Scenario) -> dict[str, Any]:
+    return {
+        "durations": list(measured_durations(inputs)),
+        "batch": inputs.batch_size,
+        "n": inputs.n,
+        "capacity": inputs.agents,
+        "updates": inputs.steps,
+        "update_s": inputs.update_seconds,
+        "sync_s": inputs.sync_seconds,
+    }
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,7 @@ class Measured:
     window: int
     speedup: float  # sync training time / async training time, same number of updates
     drain_s: float  # the async run's mean proxy_drain_seconds
-    own_inputs: Inputs | None = None  # the async run's own durations and update time, when known
+    own_inputs: Scenario | None = None  # the async run's own durations and update time, when known
 
 
 @dataclass
@@ -94,39 +103,28 @@ class Comparison:
         }
 
 
-def simulated_seconds(inputs: Inputs, window: int | None, drain_s: float, seeds: int, freeze: bool = True) -> float:
-    """Mean simulated time of `inputs.updates` updates with `window` (None: sync) over `seeds` seeds."""
+def simulated_seconds(inputs: Scenario, window: int | None, drain_s: float, seeds: int, freeze: bool = True) -> float:
+    """Mean simulated time of `inputs.steps` updates with `window` (None: sync) over `seeds` seeds."""
     total = 0.0
     for seed in range(seeds):
-        scenario = Scenario(
-            distribution=inputs.durations,
-            batch_size=inputs.batch,
-            n=inputs.n,
-            capacity=inputs.capacity,
-            steps=inputs.updates,
-            update_seconds=inputs.update_s,
-            sync_seconds=inputs.sync_s,
-            drain_seconds=drain_s,
-            seed=seed,
-            pause_freezes_rollouts=freeze,
-        )
+        scenario = replace(inputs, drain_seconds=drain_s, seed=seed, pause_freezes_rollouts=freeze)
         total += simulate(scenario, window).wall_seconds
     return total / seeds
 
 
-def predict(inputs: Inputs, window: int, drain_s: float, seeds: int, freeze: bool = True) -> float:
+def predict(inputs: Scenario, window: int, drain_s: float, seeds: int, freeze: bool = True) -> float:
     """Expected speed-up of `window` over sync (mean times over `seeds` simulated runs)."""
     return simulated_seconds(inputs, None, 0.0, seeds, freeze) / simulated_seconds(
         inputs, window, drain_s, seeds, freeze
     )
 
 
-def compare(inputs: Inputs, measured: Sequence[Measured], seeds: int = 20) -> list[Comparison]:
+def compare(inputs: Scenario, measured: Sequence[Measured], seeds: int = 20) -> list[Comparison]:
     sync_s = simulated_seconds(inputs, None, 0.0, seeds)
     return [
         Comparison(
             window=m.window,
-            multiplier=m.window / inputs.batch,
+            multiplier=m.window / inputs.batch_size,
             measured=m.speedup,
             predicted=predict(inputs, m.window, m.drain_s, seeds, freeze=True),
             predicted_running=predict(inputs, m.window, m.drain_s, seeds, freeze=False),
@@ -145,18 +143,18 @@ def compare(inputs: Inputs, measured: Sequence[Measured], seeds: int = 20) -> li
 
 def from_results(
     sync: ModeResult, asyncs: Sequence[ModeResult], capacity: int, durations: Empirical | None = None
-) -> tuple[Inputs, list[Measured]]:
+) -> tuple[Scenario, list[Measured]]:
     """Planner inputs and measurements from an async_vs_sync run's results."""
 
-    def inputs_of(run: ModeResult, given: Empirical | None) -> Inputs:
-        return Inputs(
-            durations=given or load_durations(run.run_dir),
-            batch=sync.window,
+    def inputs_of(run: ModeResult, given: Empirical | None) -> Scenario:
+        return Scenario(
+            given or load_durations(run.run_dir),
+            batch_size=sync.window,
             n=_run_config(sync.run_dir).actor_rollout_ref.rollout.n,
             capacity=capacity,
-            updates=sync.updates,
-            update_s=max(run.busy_s_mean - run.weight_sync_s_mean, 0.0),
-            sync_s=run.weight_sync_s_mean,
+            steps=sync.updates,
+            update_seconds=max(run.busy_s_mean - run.weight_sync_s_mean, 0.0),
+            sync_seconds=run.weight_sync_s_mean,
         )
 
     measured = [
@@ -186,12 +184,12 @@ def read_runs(out_dir: Path) -> tuple[ModeResult, list[ModeResult], int]:
     return sync, asyncs, config.agentlightning.local.max_concurrency
 
 
-def format_comparisons(inputs: Inputs, comparisons: Sequence[Comparison], load: Sequence[float] | None = None) -> str:
-    durations = inputs.durations.durations
+def format_comparisons(inputs: Scenario, comparisons: Sequence[Comparison], load: Sequence[float] | None = None) -> str:
+    durations = measured_durations(inputs)
     lines = [
         f"planner inputs: {len(durations)} measured durations (mean {statistics.fmean(durations):.2f}s, max {max(durations):.2f}s); "
-        f"batch {inputs.batch} x n {inputs.n}; capacity {inputs.capacity}; {inputs.updates} updates; "
-        f"update {inputs.update_s:.2f}s + weight sync {inputs.sync_s:.2f}s per step",
+        f"batch {inputs.batch_size} x n {inputs.n}; capacity {inputs.agents}; {inputs.steps} updates; "
+        f"update {inputs.update_seconds:.2f}s + weight sync {inputs.sync_seconds:.2f}s per step",
     ]
     if load is not None:
         lines.append(f"load average {'/'.join(f'{x:.1f}' for x in load)} on {os.cpu_count()} CPUs")
@@ -260,14 +258,14 @@ def main(argv: list[str] | None = None) -> int:
         if given is None or args.update_seconds is None:
             raise SystemExit("--measured-speedup needs --durations and --update-seconds")
         [window] = window_sizes(args.batch, [args.window])
-        inputs = Inputs(
+        inputs = Scenario(
             given,
-            args.batch,
-            args.n,
-            args.capacity or args.batch * args.n,
-            args.updates,
-            args.update_seconds,
-            args.sync_seconds,
+            batch_size=args.batch,
+            n=args.n,
+            capacity=args.capacity or args.batch * args.n,
+            steps=args.updates,
+            update_seconds=args.update_seconds,
+            sync_seconds=args.sync_seconds,
         )
         measured = [Measured(window, args.measured_speedup, args.drain_seconds)]
     elif args.from_dir is not None:
@@ -290,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             json.dumps(
                 {
-                    "inputs": asdict(inputs) | {"durations": list(inputs.durations.durations)},
+                    "inputs": inputs_json(inputs),
                     "comparisons": [c.to_json() for c in comparisons],
                     "loadavg": list(load or os.getloadavg()),
                     "measurement": measurement,

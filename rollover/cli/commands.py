@@ -129,7 +129,7 @@ def model_warmup(args: argparse.Namespace) -> int:
 
 
 def simulate(args: argparse.Namespace) -> int:
-    from rollover.training.simulate import main as simulate_main
+    from rollover.simulate.cli import main as simulate_main
 
     return simulate_main(args.args)
 

@@ -12,8 +12,12 @@ __all__ = ["Controller", "ControllerConfigError"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from rollover.controller import controller
+    if name == "Controller":
+        from rollover.controller.controller import Controller
 
-        return getattr(controller, name)
+        return Controller
+    if name == "ControllerConfigError":
+        from rollover.controller.runner import ControllerConfigError
+
+        return ControllerConfigError
     raise AttributeError(f"module 'rollover.controller' has no attribute {name!r}")

@@ -18,7 +18,6 @@ Each attempt lives in its own task that waits for the agent, and reports success
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
@@ -27,11 +26,13 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
-from rollover.config import AgentLightningConfig, ConfigError, RolloverConfig
+from rollover.config import AgentLightningConfig, RolloverConfig
+from rollover.controller.agent_env import agent_env
+from rollover.controller.runner import Execution, LaunchError, LaunchSpec, Outcome, Runner
 from rollover.gateway.client import ConflictError, GatewayClient, GatewayError, NotFoundError
 from rollover.store.models import Rollout, RolloutState
 
@@ -43,132 +44,6 @@ TIMEOUT_PREFIX = "timeout"
 INTERRUPTED_MESSAGE = "interrupted: the controller stopped while the agent ran"
 
 
-class ControllerConfigError(ConfigError):
-    """A controller setting that cannot work; the message names the config key."""
-
-
-class LaunchError(Exception):
-    """An attempt that cannot start. `permanent` ones fail the rollout without a retry,
-    because another attempt would fail the same way (a missing input path, a bad class)."""
-
-    def __init__(self, reason: str, *, permanent: bool = False) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.permanent = permanent
-
-
-@dataclass(frozen=True)
-class Outcome:
-    succeeded: bool
-    reason: str | None = None
-    permanent: bool = False
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    rollout: Rollout
-    attempt_id: str
-    env: dict[str, str]
-    timeout_seconds: float
-
-    @property
-    def rollout_id(self) -> str:
-        return self.rollout.rollout_id
-
-
-class Execution(Protocol):
-    """One running attempt on a runner."""
-
-    @property
-    def job_name(self) -> str | None:
-        """The Kubernetes Job that runs it, if any."""
-        ...
-
-    async def wait(self) -> Outcome:
-        """Until the agent ends on its own."""
-        ...
-
-    async def kill(self) -> None:
-        """Stop the agent and everything it started; idempotent."""
-        ...
-
-
-class Runner(Protocol):
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-    def claim_budget(self, horizon_seconds: float) -> int:
-        """How many new attempts could start within `horizon_seconds`."""
-        ...
-
-    async def launch(self, spec: LaunchSpec) -> Execution: ...
-
-    async def extend_deadline(self, execution: Execution, seconds: float) -> None:
-        """Push a runner-side deadline (a Job's activeDeadlineSeconds) out by paused time."""
-        ...
-
-
-# -- the agent env contract ---------------------------------------------------------------
-
-
-def lookup_input_path(input_value: Any, path: str) -> Any:
-    """`input.a.b.0` (or `a.b.0`) inside the rollout's input; KeyError names what is missing."""
-    parts = [p for p in path.split(".") if p]
-    if parts and parts[0] == "input":
-        parts = parts[1:]
-    current = input_value
-    for index, part in enumerate(parts):
-        where = ".".join(["input", *parts[: index + 1]])
-        if isinstance(current, dict) and part in current:
-            current = current[part]
-        elif isinstance(current, list) and part.lstrip("-").isdigit() and -len(current) <= int(part) < len(current):
-            current = current[int(part)]
-        else:
-            raise KeyError(where)
-    return current
-
-
-def env_value(value: Any) -> str:
-    if isinstance(value, (dict, list)):
-        return json.dumps(value)
-    return str(value)
-
-
-def agent_env(
-    client: GatewayClient,
-    rollout: Rollout,
-    attempt_id: str,
-    env_map: dict[str, str],
-    public_url: str | None = None,
-) -> dict[str, str]:
-    """The AGL_* variables plus `env_map`; `public_url` replaces the gateway's own URL (pods)."""
-    rid = rollout.rollout_id
-    proxy_url = client.proxy_base_url(rid, attempt_id, "train" if rollout.is_train else "val")
-    event_url = client.event_url(rid, attempt_id)
-    if public_url:
-        public = public_url.rstrip("/")
-        proxy_url = public + proxy_url[len(client.base_url) :]
-        event_url = public + event_url[len(client.base_url) :]
-    env = {
-        "AGL_OPENAI_BASE_URL": proxy_url,
-        "AGL_EVENT_URL": event_url,
-        "AGL_KEY": client.scoped_key(rid),
-        "AGL_ROLLOUT_ID": rid,
-        "AGL_ATTEMPT_ID": attempt_id,
-        "AGL_ROLLOUT_INPUT": json.dumps(rollout.input),
-    }
-    for name, path in env_map.items():
-        try:
-            env[name] = env_value(lookup_input_path(rollout.input, path))
-        except KeyError as missing:
-            raise LaunchError(
-                f"env_map entry {name}: {path!r} names {missing.args[0]!r}, which the rollout's input lacks",
-                permanent=True,
-            ) from None
-    return env
-
-
 # -- the controller -----------------------------------------------------------------------
 
 
@@ -178,7 +53,7 @@ class _Attempt:
     attempt_id: str
     number: int
     timeout_seconds: float
-    started: float  # time.monotonic() at claim
+    started: float  # the controller's clock at claim
     paused_at_start: float  # the controller's paused-seconds counter at claim
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
     stop_reason: str | None = None
@@ -224,10 +99,12 @@ class Controller:
         poll_interval: float = 0.25,
         kill_grace_seconds: float = 2.0,
         k8s_api_client: Any = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config.agentlightning if isinstance(config, RolloverConfig) else config
         self.client = client
         self.poll_interval = poll_interval
+        self.clock = clock  # what rollout timeouts are measured on (tests move it by hand)
         self.cwd = Path(cwd or os.getcwd()).resolve()
         self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="rollover-agent-logs-"))
         self._running: dict[str, _Attempt] = {}
@@ -235,7 +112,6 @@ class Controller:
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._started = False
-        self._stopped = asyncio.Event()
         self._paused_seen = 0.0
         self._last_paused_total: float | None = None
         self._gateway_paused = False
@@ -277,11 +153,6 @@ class Controller:
         self._loop_task = asyncio.create_task(self._poll_loop(), name="rollover-controller")
         log.info("controller started: runner=%s, agent logs in %s", self.config.runner, self.log_dir)
 
-    async def run_forever(self) -> None:
-        """Run until `stop()` is called (the loop itself never gives up)."""
-        await self.start()
-        await self._stopped.wait()
-
     async def stop(self) -> None:
         """Stop claiming, stop every running agent (their rollouts are re-queued), stop the runner."""
         if self._stopping or not self._started:
@@ -305,7 +176,6 @@ class Controller:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         await self._runner.stop()
-        self._stopped.set()
         log.info("controller stopped")
 
     @property
@@ -346,11 +216,13 @@ class Controller:
             pass
 
     async def _tick(self) -> None:
-        if self._running:
+        # Read before the first claim too: a pause that begins before an attempt's first
+        # check still counts from its start.
+        if self._running or self._last_paused_total is None:
             try:
                 await self._refresh_paused_time()
             except Exception as exc:
-                if not _transient(exc):
+                if not _transient(exc) or not self._running:
                     raise
                 log.warning("cannot read the gateway's paused time: %r", exc)
             self._enforce_deadlines()
@@ -372,7 +244,7 @@ class Controller:
         return self._paused_seen - attempt.paused_at_start
 
     def _enforce_deadlines(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for attempt in self._running.values():
             if attempt.reporting or attempt.stop_reason is not None:
                 continue
@@ -449,7 +321,7 @@ class Controller:
                 attempt_id=attempt_id,
                 number=number,
                 timeout_seconds=claimed.config.timeout_seconds or self.config.rollout_timeout_seconds,
-                started=time.monotonic(),
+                started=self.clock(),
                 paused_at_start=self._paused_seen,
             )
             self._running[rollout.rollout_id] = attempt

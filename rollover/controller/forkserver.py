@@ -33,7 +33,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rollover.processes import exit_if_orphaned, set_process_name, signal_group
 
@@ -108,7 +108,7 @@ def _child(request: dict[str, Any], server_pid: int) -> int:
 
 
 class ForkServer:
-    def __init__(self, out: io.TextIOBase) -> None:
+    def __init__(self, out: TextIO) -> None:
         self.out = out
         self.children: set[int] = set()
 
@@ -260,7 +260,12 @@ class ForkServerClient:
         except (BrokenPipeError, ConnectionResetError) as exc:
             self._replies.pop(request_id, None)
             raise ForkServerError(f"the fork server is gone ({exc!r}); see {self.log_path}") from exc
-        answer = await reply
+        try:
+            answer = await asyncio.shield(reply)
+        except asyncio.CancelledError:
+            # The server forks the agent all the same; nobody would wait for it or stop it.
+            reply.add_done_callback(_kill_unclaimed)
+            raise
         if "error" in answer:
             raise ForkServerError(answer["error"])
         pid = int(answer["pid"])
@@ -308,6 +313,17 @@ class ForkServerClient:
             await process.wait()
         if self._reader is not None:
             await self._reader
+
+
+def _kill_unclaimed(reply: asyncio.Future[dict[str, Any]]) -> None:
+    if reply.cancelled() or reply.exception() is not None or "pid" not in reply.result():
+        return
+    pid = int(reply.result()["pid"])
+    signal_group(pid, signal.SIGKILL)  # whatever it started already
+    try:
+        os.kill(pid, signal.SIGKILL)  # it may not lead its own group yet
+    except ProcessLookupError:
+        pass
 
 
 def _exit_on_signal(signum: int, _frame: Any) -> None:

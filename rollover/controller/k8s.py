@@ -1,29 +1,24 @@
-"""Kubernetes runner: one `batch/v1` Job per attempt, rendered from a Jinja template.
+"""Kubernetes runner: one `batch/v1` Job per attempt, rendered from a Jinja template
+(`job_template.py` says what a template sees and what the controller forces onto every Job).
 
-The template sees `input`, `job_name`, `rollout_id` and `attempt_id`, plus a `yaml_escape`
-filter. The controller then forces what it relies on: the name and namespace, its labels on
-the Job and the pod template, `restartPolicy: Never`, `backoffLimit: 0`, the TTL, the
-deadline, and the agent env in every container. Jobs are created through a token bucket
-(`k8s.jobs_per_minute`) and followed by ONE watch over the controller's label, re-listed
-after any error, so the API server sees no per-Job polling.
+Jobs are created through a token bucket (`k8s.jobs_per_minute`) and followed by ONE watch
+over the controller's label, re-listed after any error, so the API server sees no per-Job
+polling.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
-import hashlib
 import json
 import logging
 import math
 import os
-import re
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import jinja2
 import yaml
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
@@ -32,201 +27,15 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config.config_exception import ConfigException
 
 from rollover.config import K8sRunnerConfig
-from rollover.controller.controller import ControllerConfigError, LaunchError, LaunchSpec, Outcome
+from rollover.controller.job_template import SELECTOR, JobTemplate, JobTemplateError, build_job, job_name_for
+from rollover.controller.runner import ControllerConfigError, LaunchError, LaunchSpec, Outcome
 from rollover.store.models import Rollout
 
 log = logging.getLogger("rollover.controller.k8s")
 
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-MANAGED_BY_VALUE = "rollover"
-ROLLOUT_LABEL = "rollover.dev/rollout-id"
-ATTEMPT_LABEL = "rollover.dev/attempt-id"
-SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"
-
 TEMPLATE_KEY = "agentlightning.k8s.job_template_path"
 ROLLOUT_TEMPLATE_KEY = "config.k8s.job_template"
 WATCH_SECONDS = 300  # the server ends each watch after this; we re-list and watch again
-MAX_NAME = 63
-
-
-# -- names and the template ---------------------------------------------------------------
-
-# YAML treats these as line breaks or refuses them even inside double quotes.
-_YAML_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\ud800-\udfff\ufffe\uffff]")
-
-
-def yaml_escape(value: Any) -> str:
-    """A double-quoted scalar that YAML (and JSON) read back as exactly `str(value)`;
-    dicts and lists are passed as their JSON text."""
-    text = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
-    quoted = json.dumps(text, ensure_ascii=False)
-    return _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", quoted)
-
-
-def _short_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
-
-
-def job_name_for(rollout_id: str, attempt_id: str) -> str:
-    """A DNS-1123 label: `<rollout id>-<attempt id>` when that is one, else a cleaned,
-    shortened form with a hash that keeps distinct ids apart."""
-    raw = f"{rollout_id}-{attempt_id}"
-    clean = re.sub(r"[^a-z0-9-]+", "-", raw.lower()).strip("-")
-    if clean == raw and len(clean) <= MAX_NAME:
-        return clean
-    head = clean[: MAX_NAME - 9].strip("-") or "rollout"
-    return f"{head}-{_short_hash(raw)}"
-
-
-def label_value(text: str) -> str:
-    clean = re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._-")
-    if clean == text and len(clean) <= MAX_NAME:
-        return clean
-    head = clean[: MAX_NAME - 9].strip("._-")
-    return f"{head}-{_short_hash(text)}" if head else _short_hash(text)
-
-
-class JobTemplateError(ControllerConfigError):
-    pass
-
-
-def _environment(strict: bool) -> jinja2.Environment:
-    env = jinja2.Environment(
-        undefined=jinja2.StrictUndefined if strict else jinja2.ChainableUndefined,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
-    env.filters["yaml_escape"] = yaml_escape
-    return env
-
-
-_STRICT = _environment(strict=True)
-_LENIENT = _environment(strict=False)
-
-
-def _check_job(manifest: Any) -> dict[str, Any]:
-    if not isinstance(manifest, dict):
-        raise ValueError(f"renders to {type(manifest).__name__}, not a YAML mapping")
-    if manifest.get("apiVersion") != "batch/v1" or manifest.get("kind") != "Job":
-        raise ValueError(
-            f"must render to apiVersion: batch/v1, kind: Job (got apiVersion: {manifest.get('apiVersion')!r}, "
-            f"kind: {manifest.get('kind')!r})"
-        )
-    if not isinstance(manifest.get("metadata", {}) or {}, dict):
-        raise ValueError("metadata must be a mapping")
-    spec = manifest.get("spec")
-    template = spec.get("template") if isinstance(spec, dict) else None
-    pod_spec = template.get("spec") if isinstance(template, dict) else None
-    if not isinstance(pod_spec, dict):
-        raise ValueError("has no spec.template.spec")
-    for key in ("containers", "initContainers"):
-        containers = pod_spec.get(key) or []
-        if not isinstance(containers, list) or not all(isinstance(c, dict) for c in containers):
-            raise ValueError(f"spec.template.spec.{key} must be a list of mappings")
-    if not pod_spec.get("containers"):
-        raise ValueError("spec.template.spec.containers is empty")
-    return manifest
-
-
-class JobTemplate:
-    """A Jinja-rendered Job manifest; `source` names it in errors."""
-
-    def __init__(self, text: str, source: str) -> None:
-        self.source = source
-        try:
-            self._strict = _STRICT.from_string(text)
-            self._lenient = _LENIENT.from_string(text)
-        except jinja2.TemplateSyntaxError as exc:
-            raise JobTemplateError(f"{source}: Jinja syntax error on line {exc.lineno}: {exc.message}") from None
-
-    @classmethod
-    def from_path(cls, path: str | Path, key: str) -> JobTemplate:
-        path = Path(path)
-        if not path.is_file():
-            raise JobTemplateError(f"{key}: Job template file not found: {path}")
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise JobTemplateError(f"{key}: cannot read {path}: {exc}") from None
-        return cls(text, f"{key} ({path})")
-
-    def _load(self, rendered: str) -> dict[str, Any]:
-        try:
-            manifest = yaml.safe_load(rendered)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"does not render to valid YAML: {exc}") from None
-        return _check_job(manifest)
-
-    def check(self) -> None:
-        """Render with placeholder values (a missing input key renders empty) and check
-        the result is a Job the controller can run."""
-        try:
-            rendered = self._lenient.render(input={}, job_name="check-a1", rollout_id="check", attempt_id="a1")
-            build_job(
-                self._load(rendered),
-                job_name="check-a1",
-                namespace="default",
-                rollout_id="check",
-                attempt_id="a1",
-                env={},
-                ttl_seconds=0,
-                deadline_seconds=1,
-            )
-        except (jinja2.TemplateError, ValueError, TypeError) as exc:
-            raise JobTemplateError(f"{self.source}: {exc}") from None
-
-    def render(self, *, input: Any, job_name: str, rollout_id: str, attempt_id: str) -> dict[str, Any]:
-        try:
-            rendered = self._strict.render(input=input, job_name=job_name, rollout_id=rollout_id, attempt_id=attempt_id)
-            return self._load(rendered)
-        except (jinja2.TemplateError, ValueError, TypeError) as exc:
-            raise LaunchError(f"Job template {self.source}: {exc}", permanent=True) from None
-
-
-def _inject_env(container: dict[str, Any], env: dict[str, str]) -> None:
-    kept = [e for e in container.get("env") or [] if not (isinstance(e, dict) and e.get("name") in env)]
-    container["env"] = kept + [{"name": name, "value": value} for name, value in env.items()]
-
-
-def build_job(
-    manifest: dict[str, Any],
-    *,
-    job_name: str,
-    namespace: str,
-    rollout_id: str,
-    attempt_id: str,
-    env: dict[str, str],
-    ttl_seconds: int,
-    deadline_seconds: int,
-) -> dict[str, Any]:
-    """The rendered manifest plus the fields the controller relies on."""
-    job = copy.deepcopy(manifest)
-    labels = {
-        ROLLOUT_LABEL: label_value(rollout_id),
-        ATTEMPT_LABEL: label_value(attempt_id),
-        MANAGED_BY_LABEL: MANAGED_BY_VALUE,
-    }
-    metadata = job.get("metadata") or {}
-    metadata.pop("generateName", None)
-    metadata["name"] = job_name
-    # Explicit, so that every watch event carries the namespace it was created in.
-    metadata["namespace"] = namespace
-    metadata["labels"] = {**(metadata.get("labels") or {}), **labels}
-    job["metadata"] = metadata
-    spec = job["spec"]
-    spec["backoffLimit"] = 0
-    spec["ttlSecondsAfterFinished"] = ttl_seconds
-    spec["activeDeadlineSeconds"] = deadline_seconds
-    pod = spec["template"]
-    pod_metadata = pod.get("metadata") or {}
-    pod_metadata["labels"] = {**(pod_metadata.get("labels") or {}), **labels}
-    pod["metadata"] = pod_metadata
-    pod_spec = pod["spec"]
-    pod_spec["restartPolicy"] = "Never"
-    for key in ("initContainers", "containers"):
-        for container in pod_spec.get(key) or []:
-            _inject_env(container, env)
-    return job
 
 
 # -- rate limit -----------------------------------------------------------------------------
@@ -235,16 +44,25 @@ def build_job(
 class TokenBucket:
     """`rate` tokens per second, at most `capacity` saved up; `acquire` waits its turn (FIFO)."""
 
-    def __init__(self, rate: float, capacity: float = 1.0) -> None:
+    def __init__(
+        self,
+        rate: float,
+        capacity: float = 1.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
         self.rate = rate
         self.capacity = capacity
+        self._clock = clock
+        self._sleep = sleep
         self._tokens = capacity
-        self._stamp = time.monotonic()
+        self._stamp = clock()
         self._lock = asyncio.Lock()
         self.waiting = 0
 
     def _refill(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         self._tokens = min(self.capacity, self._tokens + (now - self._stamp) * self.rate)
         self._stamp = now
 
@@ -258,10 +76,10 @@ class TokenBucket:
             async with self._lock:
                 while True:
                     self._refill()
-                    if self._tokens >= 1.0:
-                        self._tokens -= 1.0
+                    if self._tokens >= 1.0 - 1e-9:  # a refill that lands on 1.0 may round just under it
+                        self._tokens = max(self._tokens - 1.0, 0.0)
                         return
-                    await asyncio.sleep((1.0 - self._tokens) / self.rate)
+                    await self._sleep((1.0 - self._tokens) / self.rate)
         finally:
             self.waiting -= 1
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from rollover.config import LocalRunnerConfig
 from rollover.controller.agent_main import PARENT_PID_ENV, AgentClassError, load_agent_class
-from rollover.controller.controller import ControllerConfigError, LaunchError, LaunchSpec, Outcome
 from rollover.controller.forkserver import ForkServerClient, ForkServerError
+from rollover.controller.runner import ControllerConfigError, LaunchError, LaunchSpec, Outcome
 from rollover.processes import group_alive, group_members, signal_group, tail_lines
 
 log = logging.getLogger("rollover.controller.local")

@@ -16,24 +16,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rollover.jsonl import jsonl_values
+
 Message = dict[str, Any]
 
 
 def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
     """Read chats from JSONL: each line is a list of messages or `{"messages": [...]}`."""
     chats: list[list[Message]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON: {e}") from None
-            messages = row.get("messages") if isinstance(row, dict) else row
-            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-                raise ValueError(f'{path}:{lineno}: expected a list of messages or {{"messages": [...]}}')
-            chats.append(messages)
+    for where, row in jsonl_values(path):
+        messages = row.get("messages") if isinstance(row, dict) else row
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError(f'{where}: expected a list of messages or {{"messages": [...]}}')
+        chats.append(messages)
     return chats
 
 

@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from rollover.jsonl import jsonl_values
 from rollover.training.manager import Prompt
 
 
@@ -16,17 +17,10 @@ def read_tasks(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"data file not found: {path}")
     tasks = []
-    with open(path) as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except ValueError as exc:
-                raise ValueError(f"{path}:{number}: not valid JSON ({exc})") from None
-            if not isinstance(item, dict):
-                raise ValueError(f"{path}:{number}: each line must be a JSON object")
-            tasks.append(item)
+    for where, item in jsonl_values(path):
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: each line must be a JSON object")
+        tasks.append(item)
     if not tasks:
         raise ValueError(f"data file {path} holds no tasks")
     return tasks

@@ -69,6 +69,17 @@ class SleepAgent:
         child.kill()
 
 
+class GatedAgent:
+    """Writes `input.started`, waits until `input.go` exists, then reports a reward of 1."""
+
+    def run(self, input: dict[str, Any]) -> None:
+        write_pids(input["started"], [os.getpid()])
+        deadline = time.monotonic() + 120
+        while not os.path.exists(input["go"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        post_event("reward", {"value": 1.0})
+
+
 class FlakyAgent:
     """Attempt a1 records an event and fails; later attempts report a reward."""
 

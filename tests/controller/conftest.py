@@ -32,6 +32,32 @@ async def client(gateway: GatewayThread) -> AsyncIterator[GatewayClient]:
         await gateway_client.resume()
 
 
+class HandClock:
+    """The controller's clock for timeout tests: real time that a test can hold still (so a
+    slow agent start costs no budget) and move forward by hand."""
+
+    def __init__(self) -> None:
+        self._offset = 0.0
+        self._held_at: float | None = None
+
+    def __call__(self) -> float:
+        return self._held_at if self._held_at is not None else time.monotonic() + self._offset
+
+    def hold(self) -> None:
+        self._held_at = self()
+
+    def release(self) -> None:
+        if self._held_at is not None:
+            self._offset = self._held_at - time.monotonic()
+            self._held_at = None
+
+    def advance(self, seconds: float) -> None:
+        if self._held_at is not None:
+            self._held_at += seconds
+        else:
+            self._offset += seconds
+
+
 def make_config(**agentlightning: Any) -> AgentLightningConfig:
     return validate_config({"agentlightning": agentlightning}).agentlightning
 
@@ -54,12 +80,23 @@ async def wait_for_rollout(
         await asyncio.sleep(0.05)
 
 
-async def read_pids(path: Path, timeout: float = 20.0) -> list[int]:
+async def wait_until(condition: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never came true"
+        await asyncio.sleep(0.05)
+
+
+async def wait_for_file(path: Path, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         if time.monotonic() > deadline:
             raise AssertionError(f"the agent never wrote {path}")
         await asyncio.sleep(0.05)
+
+
+async def read_pids(path: Path, timeout: float = 20.0) -> list[int]:
+    await wait_for_file(path, timeout)
     return [int(p) for p in path.read_text().split()]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -10,10 +12,21 @@ import time
 from pathlib import Path
 
 from rollover.controller import Controller
+from rollover.controller.forkserver import ForkServerClient
 from rollover.gateway.client import GatewayClient
 from rollover.gateway.server import GatewayThread
+from rollover.processes import child_pids
 from rollover.store.models import RolloutCreate, RolloutState
-from tests.controller.conftest import ADMIN_KEY, alive, make_config, new_id, read_pids, wait_for_rollout, wait_gone
+from tests.controller.conftest import (
+    ADMIN_KEY,
+    alive,
+    make_config,
+    new_id,
+    read_pids,
+    wait_for_rollout,
+    wait_gone,
+    wait_until,
+)
 
 AGENTS = "tests.controller.agents"
 
@@ -111,3 +124,26 @@ def test_kill_9_of_the_controller_takes_the_fork_server_and_agents_down(gateway:
         json={"status": {"state": "failed", "error_message": "aborted: test over"}},
         headers=headers,
     )
+
+
+async def test_an_agent_whose_launch_was_called_off_does_not_live_on(tmp_path: Path) -> None:
+    # An attempt stopped while its launch waits for the fork server (a timeout, an abort) must
+    # not leave behind the agent the server forks a moment later.
+    server = ForkServerClient([], log_path=tmp_path / "forkserver.log", cwd=Path.cwd())
+    await server.start()
+    assert server.process is not None
+    try:
+
+        def request(name: str) -> tuple[str, dict[str, str], Path, Path]:
+            env = dict(os.environ, AGL_ROLLOUT_INPUT=json.dumps({"pid_file": str(tmp_path / f"{name}.pids")}))
+            return f"{AGENTS}:SleepAgent", env, Path.cwd(), tmp_path / f"{name}.log"
+
+        called_off = asyncio.create_task(server.spawn(*request("called-off")))
+        await asyncio.sleep(0)  # the request is on its way; its reply is not
+        called_off.cancel()
+        # The server answers in order: once the next agent is up, the first was forked too.
+        kept, _ = await server.spawn(*request("kept"))
+        await wait_until(lambda: set(child_pids(server.process.pid)) - {kept} == set(), timeout=10)
+        await read_pids(tmp_path / "kept.pids")  # the agent that was asked for runs
+    finally:
+        await server.stop()

@@ -24,13 +24,16 @@ from rollover.gateway.server import GatewayThread, free_port
 from rollover.store.models import RolloutCreate, RolloutState
 from tests.controller.conftest import (
     ADMIN_KEY,
+    HandClock,
     alive,
     assert_group_gone,
     make_config,
     new_id,
     read_pids,
+    wait_for_file,
     wait_for_rollout,
     wait_gone,
+    wait_until,
 )
 
 AGENTS = "tests.controller.agents"
@@ -38,11 +41,18 @@ AGENTS = "tests.controller.agents"
 
 @asynccontextmanager
 async def run_controller(
-    client: GatewayClient, tmp_path: Path, agent: str, start_method: str, **settings: Any
+    client: GatewayClient,
+    tmp_path: Path,
+    agent: str,
+    start_method: str,
+    clock: HandClock | None = None,
+    **settings: Any,
 ) -> AsyncIterator[Controller]:
     local = {"agent_class": f"{AGENTS}:{agent}", "start_method": start_method, **settings.pop("local", {})}
     config = make_config(local=local, **settings)
-    async with Controller(config, client, log_dir=tmp_path / "logs", poll_interval=0.1) as running:
+    async with Controller(
+        config, client, log_dir=tmp_path / "logs", poll_interval=0.1, clock=clock or time.monotonic
+    ) as running:
         yield running
 
 
@@ -119,26 +129,38 @@ async def test_agent_killed_by_signal(client: GatewayClient, tmp_path: Path, con
 
 
 async def test_hanging_agent_times_out_and_is_killed(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
-    async with controller(client, tmp_path, "SleepAgent", rollout_timeout_seconds=30):
+    clock = HandClock()
+    clock.hold()  # however long the agent takes to start, its 1 s budget is untouched
+    async with controller(client, tmp_path, "SleepAgent", clock=clock, rollout_timeout_seconds=30):
         pid_file = tmp_path / "hang.pids"
         rollout_id = await enqueue(client, "hang", {"pid_file": str(pid_file)}, config={"timeout_seconds": 1.0})
         pids = await read_pids(pid_file)
+        clock.advance(2.0)  # twice its budget
         done = await wait_for_rollout(client, rollout_id)
         assert done.state == RolloutState.FAILED
         assert (done.status.error_message or "").startswith("timeout"), done.status
-        await wait_gone(pids, timeout=1.0)
+        # The controller reports the timeout once the group is gone; the wait only absorbs reaping.
+        await wait_gone(pids, timeout=5.0)
     assert_group_gone(pids[0])
 
 
 async def test_paused_time_does_not_count(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
-    # 3 s of work against a 2 s timeout: it only fits because 2 s of it are paused.
-    async with controller(client, tmp_path, "RewardAgent"):
-        rollout_id = await enqueue(client, "paused", {"sleep": 3.0}, config={"timeout_seconds": 2.0})
-        await wait_for_rollout(client, rollout_id, lambda r: r.state == RolloutState.RUNNING)
-        await asyncio.sleep(0.3)
+    # A 2 s timeout; the agent finishes only after a 4 s pause, so it fits only if the pause
+    # does not count. The clock is held until the agent runs: its start costs no budget, and
+    # what is left (seeing the end of the pause, reporting) is well under the 2 s.
+    started, go = tmp_path / "paused.started", tmp_path / "paused.go"
+    clock = HandClock()
+    clock.hold()
+    async with controller(client, tmp_path, "GatedAgent", clock=clock):
+        rollout_id = await enqueue(
+            client, "paused", {"started": str(started), "go": str(go)}, config={"timeout_seconds": 2.0}
+        )
+        await wait_for_file(started)
         await client.pause(reason="test update")
-        await asyncio.sleep(2.0)
+        clock.release()
+        await asyncio.sleep(4.0)
         await client.resume()
+        go.touch()
         done = await wait_for_rollout(client, rollout_id)
     assert done.state == RolloutState.SUCCEEDED, done.status
 
@@ -169,15 +191,16 @@ async def test_last_attempt_failure_fails_the_rollout(client: GatewayClient, tmp
 
 
 async def test_abort_and_delete_kill_the_agent_promptly(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
-    async with controller(client, tmp_path, "SleepAgent"):
+    async with controller(client, tmp_path, "SleepAgent") as running:
         abort_pids, delete_pids = tmp_path / "abort.pids", tmp_path / "delete.pids"
         aborted = await enqueue(client, "abort", {"pid_file": str(abort_pids)})
         deleted = await enqueue(client, "delete", {"pid_file": str(delete_pids)})
         pids, other = await read_pids(abort_pids), await read_pids(delete_pids)
         await client.update_status(aborted, state=RolloutState.FAILED, error_message="aborted: test")
         await client.delete_rollout(deleted)
-        assert await wait_gone(pids + other, timeout=1.5) < 1.5
-        await asyncio.sleep(0.3)  # let the controller finish with them
+        # Promptly: within a few ticks and the kill grace, not when the agents end (120 s) or time out.
+        await wait_gone(pids + other, timeout=10.0)
+        await wait_until(lambda: not {aborted, deleted} & set(running.running))  # the controller is done with them
         after = await client.get_rollout(aborted)
         assert after.state == RolloutState.FAILED and after.status.error_message == "aborted: test"
     assert_group_gone(pids[0])
@@ -270,11 +293,13 @@ async def test_max_concurrency_is_respected(client: GatewayClient, tmp_path: Pat
     assert peak == 2
 
 
-async def test_controller_rides_out_a_gateway_that_starts_late(tmp_path: Path, controller: Any) -> None:
+async def test_controller_rides_out_a_gateway_that_starts_late(
+    tmp_path: Path, controller: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     port = free_port()
     async with GatewayClient(f"http://127.0.0.1:{port}", ADMIN_KEY) as late_client:
         async with controller(late_client, tmp_path, "RewardAgent"):
-            await asyncio.sleep(0.5)  # a few failed ticks
+            await wait_until(lambda: sum("tick failed" in r.getMessage() for r in caplog.records) >= 2)
             with GatewayThread(admin_key=ADMIN_KEY, port=port):
                 rollout_id = await enqueue(late_client, "late")
                 done = await wait_for_rollout(late_client, rollout_id)

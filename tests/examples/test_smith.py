@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from examples.smith.agent import ProtocolError, ToolCall, ToolError, Workspace, parse_tool_call, reward
 from examples.smith.sandbox import Limits, TestReport, run_tests
 from examples.smith.task import TEMPLATES, apply_fix, check_repo, make_tasks, write_repo
-from rollover.controller.k8s import JobTemplate, build_job
+from rollover.controller.job_template import JobTemplate, build_job
 from rollover.gateway.auth import scoped_key
 from rollover.gateway.server import GatewayThread, free_port, wait_healthy
 from rollover.training.data import write_tasks

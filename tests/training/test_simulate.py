@@ -11,22 +11,22 @@ from pathlib import Path
 import pytest
 
 from rollover.cli.main import main as rollover_main
-from rollover.store.models import RolloutState
-from rollover.store.sqlite import _SCHEMA
-from rollover.training.manager import AsyncRolloutManager
-from rollover.training.simulate import (
+from rollover.simulate import (
     Constant,
     Empirical,
     LogNormal,
     Scenario,
     Simulation,
-    ideal_speedup,
+    ideal_step_seconds,
     load_durations,
-    main,
     recommend,
     simulate,
     window_sizes,
 )
+from rollover.simulate.cli import main
+from rollover.store.models import RolloutState
+from rollover.store.sqlite import _SCHEMA
+from rollover.training.manager import AsyncRolloutManager
 from tests.runs import SEED_ASYNC_METRICS, SEED_TIMING_METRICS
 
 LOGNORMAL = Scenario(LogNormal(median=1.0, sigma=1.0), batch_size=4, n=4, steps=60, update_seconds=1.0)
@@ -110,11 +110,11 @@ def test_drain_time_and_the_trainers_staleness_cap_are_simulated() -> None:
 
 
 def test_ideal_speedup() -> None:
-    assert ideal_speedup(Constant(3.0), batch_groups=4, n=4, update_seconds=1.0) == pytest.approx(1.0)
+    assert ideal_step_seconds(Constant(3.0), batch_groups=4, n=4, update_seconds=1.0).speedup == pytest.approx(1.0)
     # 4 rollouts on 3 agents: sync takes 2 rounds, the ideal pipeline 4/3 of one.
-    assert ideal_speedup(Constant(1.0), 2, 2, 1.0, capacity=3) == pytest.approx(3.0 / (4 / 3 + 1.0))
-    assert ideal_speedup(LogNormal(1.0, 1.0), 4, 4, 1.0, trials=500) > 2.0
-    assert ideal_speedup([1.0, 1.0], 2, 2, 0.0, trials=10) == pytest.approx(1.0)
+    assert ideal_step_seconds(Constant(1.0), 2, 2, 1.0, capacity=3).speedup == pytest.approx(3.0 / (4 / 3 + 1.0))
+    assert ideal_step_seconds(LogNormal(1.0, 1.0), 4, 4, 1.0, trials=500).speedup > 2.0
+    assert ideal_step_seconds([1.0, 1.0], 2, 2, 0.0, trials=10).speedup == pytest.approx(1.0)
 
 
 def test_windows_and_recommendation() -> None:

@@ -9,8 +9,8 @@ import pytest
 
 from rollover.config import load_config
 from rollover.gateway.client import GatewayClient
+from rollover.simulate import LogNormal, Scenario, Simulation
 from rollover.store.models import RolloutState
-from rollover.training.simulate import LogNormal, Scenario, Simulation
 from rollover.training.trainer import DrainTimeout, Trainer
 from tests.conftest import ADMIN_KEY
 
