@@ -192,6 +192,12 @@ class K8sRunnerConfig(_Section):
     gateway_url: str | None = Field(
         default=None, description="how pods reach the gateway; null = the gateway's own URL"
     )
+    max_concurrency: int | None = Field(
+        default=None, gt=0, description="Jobs running at once; null = local.max_concurrency (a deprecated fallback)"
+    )
+    env_map: dict[str, str] | None = Field(
+        default=None, description="ENV_NAME: input.path for every Job; null = local.env_map (a deprecated fallback)"
+    )
 
 
 class AsyncRolloutConfig(_Section):

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from rollover.config import AgentLightningConfig, RolloverConfig
+from rollover.config import AgentLightningConfig, LocalRunnerConfig, RolloverConfig
 from rollover.controller.agent_env import agent_env
 from rollover.controller.runner import Execution, LaunchError, LaunchSpec, Outcome, Runner
 from rollover.gateway.client import ConflictError, GatewayClient, GatewayError, NotFoundError
@@ -72,6 +72,28 @@ class _Attempt:
             self.stop_reason = reason
             self.report_stop = report
             self.stop_requested.set()
+
+
+def runner_limits(config: AgentLightningConfig) -> tuple[int, dict[str, str]]:
+    """The configured runner's concurrency limit and env_map. The k8s runner read `local.*`
+    before it had keys of its own, so those still apply to it where its own are unset."""
+    local, k8s = config.local, config.k8s
+    if config.runner != "k8s":
+        return local.max_concurrency, local.env_map
+    defaults = LocalRunnerConfig()
+    for key in ("max_concurrency", "env_map"):
+        if getattr(k8s, key) is None and getattr(local, key) != getattr(defaults, key):
+            log.warning(
+                "agentlightning.local.%s applies to the k8s runner because agentlightning.k8s.%s is unset; "
+                "set agentlightning.k8s.%s instead (the fallback is deprecated)",
+                key,
+                key,
+                key,
+            )
+    return (
+        k8s.max_concurrency if k8s.max_concurrency is not None else local.max_concurrency,
+        k8s.env_map if k8s.env_map is not None else local.env_map,
+    )
 
 
 def _transient(exc: BaseException) -> bool:
@@ -116,6 +138,7 @@ class Controller:
         self._last_paused_total: float | None = None
         self._gateway_paused = False
         self._runner: Runner = self._make_runner(kill_grace_seconds, k8s_api_client)
+        self._max_concurrency, self._env_map = runner_limits(self.config)
 
     def _make_runner(self, kill_grace_seconds: float, k8s_api_client: Any) -> Runner:
         if self.config.runner == "local":
@@ -299,7 +322,7 @@ class Controller:
     async def _claim(self) -> None:
         if self._stopping:
             return
-        free = self.config.local.max_concurrency - len(self._running)
+        free = self._max_concurrency - len(self._running)
         free = min(free, self._runner.claim_budget(self.poll_interval))
         if free <= 0:
             return
@@ -331,7 +354,7 @@ class Controller:
 
     def _launch_spec(self, attempt: _Attempt) -> LaunchSpec:
         rollout = attempt.rollout
-        env_map = {**self.config.local.env_map, **rollout.config.local.env_map}
+        env_map = {**self._env_map, **rollout.config.local.env_map}
         public_url = self.config.k8s.gateway_url if self.config.runner == "k8s" else None
         env = agent_env(self.client, rollout, attempt.attempt_id, env_map, public_url)
         return LaunchSpec(

@@ -155,7 +155,8 @@ def _train(
     rng = random.Random(seed)
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    # Any: transformers' stubs type `model.to` as the unbound method (the model twice).
+    model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir))
     model.to(device)
     model.train()
 

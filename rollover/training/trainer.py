@@ -56,14 +56,6 @@ class PolicyLike(Protocol):
 
 
 @dataclass
-class StepTimes:
-    rollout_wait_s: float = 0.0
-    drain_s: float = 0.0
-    update_s: float = 0.0
-    sync_s: float = 0.0
-
-
-@dataclass
 class Trainer:
     config: RolloverConfig
     client: GatewayClient

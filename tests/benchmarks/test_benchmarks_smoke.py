@@ -43,8 +43,9 @@ def test_async_vs_sync_smoke(tmp_path, calc_model, vllm_engine, capsys):
 
 
 def test_drain_latency_smoke():
+    # Calls of 1 s: on a busy machine both must still be in flight when the drain is measured.
     settings = drain_latency.Settings(
-        repeats=3, delay=0.2, inflight=2, pauses=(0.3,), retry_afters=(1.0,), agents=2, agent_repeats=1
+        repeats=2, delay=1.0, inflight=2, pauses=(0.3,), retry_afters=(1.0,), agents=2, agent_repeats=1
     )
     report = drain_latency.run_benchmark(settings)
     print(drain_latency.format_report(report))

@@ -319,6 +319,41 @@ async def test_jobs_are_created_no_faster_than_the_rate_limit(
     assert times[-1] - times[0] < (count - 1) * spacing + spacing  # and not much slower either
 
 
+@pytest.mark.parametrize("own_keys", [True, False], ids=["k8s-keys", "local-fallback"])
+async def test_the_k8s_runner_has_its_own_concurrency_and_env_map(
+    client: GatewayClient, cluster: Cluster, template: Path, own_keys: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    if own_keys:
+        local = {"max_concurrency": 5, "env_map": {"LOCAL_Q": "input.question"}}
+        k8s = {"max_concurrency": 1, "env_map": {"JOB_Q": "input.question"}}
+        injected, absent = "JOB_Q", "LOCAL_Q"
+    else:  # the keys it read before it had its own still apply (deprecated)
+        local, k8s = {"max_concurrency": 1, "env_map": {"LOCAL_Q": "input.question"}}, {}
+        injected, absent = "LOCAL_Q", "JOB_Q"
+    async with controller(client, cluster, template, local=local, k8s=k8s):
+        ids = [new_id("limit") for _ in range(2)]
+        # One enqueue: without the limit, one tick would claim both before either Job exists.
+        await client.enqueue([RolloutCreate(rollout_id=r, input={"question": f"q-{r}"}) for r in ids])
+        for _ in ids:
+            deadline = time.monotonic() + 20
+            while True:
+                running = [r for r in await client.list_rollouts(rollout_ids=ids) if r.state == RolloutState.RUNNING]
+                if any(r.status.k8s_job_name for r in running):
+                    break
+                assert time.monotonic() < deadline, "no Job was created"
+                await asyncio.sleep(0.05)
+            [rollout] = running  # one at a time
+            name = rollout.status.k8s_job_name
+            assert name is not None
+            job = await cluster.wait_job(name)
+            env = {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+            assert env[injected] == f"q-{rollout.rollout_id}" and absent not in env
+            await cluster.set_condition(name, "Complete")
+            assert (await wait_for_rollout(client, rollout.rollout_id)).state == RolloutState.SUCCEEDED
+    deprecated = [r for r in caplog.records if "the fallback is deprecated" in r.getMessage()]
+    assert len(deprecated) == (0 if own_keys else 2)  # max_concurrency and env_map
+
+
 async def test_stop_deletes_running_jobs(client: GatewayClient, cluster: Cluster, template: Path) -> None:
     async with controller(client, cluster, template):
         ids = [await enqueue(client, "stop") for _ in range(2)]
