@@ -16,6 +16,18 @@ for arg in "$@"; do
   esac
 done
 
+# The run viewer's browser tests drive Debian's chromium through chromium-driver (no browser
+# download); installed once, skipped when both are already there.
+if [[ ",$extras," == *",dev,"* ]] && ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  elif command -v sudo >/dev/null 2>&1; then
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    echo "setup.sh: install chromium and chromium-driver (apt) for the viewer's browser tests" >&2
+  fi
+fi
+
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[$extras]"

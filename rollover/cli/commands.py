@@ -142,3 +142,14 @@ def report(args: argparse.Namespace) -> int:
     except ReportError as exc:
         raise UsageError(str(exc)) from None
     return 0
+
+
+def view(args: argparse.Namespace) -> int:
+    from rollover.viewer.app import serve
+    from rollover.viewer.data import RunFolderError
+
+    try:
+        serve(args.run_dir, host=args.host, port=args.port, key=args.key, tokenizer=args.tokenizer)
+    except RunFolderError as exc:
+        raise UsageError(str(exc)) from None
+    return 0

@@ -98,6 +98,14 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir")
     report.add_argument("--out", default=None, help="PNG path (default RUN_DIR/report.png)")
     report.set_defaults(run=commands.report)
+
+    view = sub.add_parser("view", help="browse a run (metrics, timeline, rollouts, trained tokens) in a web page")
+    view.add_argument("run_dir")
+    view.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback requires a key)")
+    view.add_argument("--port", type=int, default=8765)
+    view.add_argument("--key", default=None, help="access key (generated when --host is not loopback)")
+    view.add_argument("--tokenizer", default=None, help="tokenizer.json or model folder (default: the run's)")
+    view.set_defaults(run=commands.view)
     return parser
 
 

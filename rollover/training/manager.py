@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from rollover.metrics.progress import WindowStatus
 from rollover.store.models import RolloutState
 
 
@@ -107,6 +108,7 @@ class AsyncRolloutManager:
     backend: RolloutBackend
     train_rollout_n: int
     completion_log: list[str] = field(default_factory=list)  # group keys in completion order
+    on_poll: Callable[[WindowStatus], None] | None = None  # a live display of the window
 
     async def enqueue_and_wait_until_group_completed(
         self,
@@ -146,6 +148,10 @@ class AsyncRolloutManager:
             for key, group in groups.items():
                 if key not in completed_group_keys and all(r.state.terminal for r in group):
                     completed_group_keys.append(key)
+            if self.on_poll is not None:
+                self.on_poll(
+                    _window_status(active_rollouts, len(completed_group_keys), target_finished_group_num, step)
+                )
             if len(completed_group_keys) >= target_finished_group_num:
                 break
             await self.backend.wait()
@@ -158,6 +164,18 @@ class AsyncRolloutManager:
             wait_seconds=self.backend.now() - started,
             polls=polls,
         )
+
+
+def _window_status(active: Sequence[TrackedRollout], completed: int, target: int, step: int) -> WindowStatus:
+    carried = [r for r in active if r.enqueued_step < step]
+    return WindowStatus(
+        completed_groups=min(completed, target),
+        target_groups=target,
+        running=sum(r.state == RolloutState.RUNNING for r in active),
+        queued=sum(r.state == RolloutState.QUEUING for r in active),
+        carry_over=len(carried),
+        oldest_carry_over_age=max((step - r.enqueued_step for r in carried), default=0),
+    )
 
 
 def _apply(rollout: TrackedRollout, update: RolloutUpdate) -> None:

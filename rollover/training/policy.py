@@ -6,10 +6,12 @@ import math
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from rollover.config import RolloverConfig
+from rollover.metrics.progress import NullProgress, Progress
 from rollover.training.algorithms import ppo_policy_loss, rollout_correction_weights
 from rollover.training.logprobs import token_logprobs
 from rollover.training.samples import Sample, collate
@@ -24,13 +26,15 @@ def pick_device(setting: str) -> torch.device:
 class Policy:
     """A causal LM with its tokenizer and optimizer, on the trainer's device."""
 
+    progress: Progress = NullProgress()  # told of each optimizer step (from the update's thread)
+
     def __init__(self, model_path: str | Path, config: RolloverConfig) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.config = config
         self.device = pick_device(config.trainer.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)  # type: ignore[arg-type]
         self.model.config.use_cache = False
         optim = config.actor_rollout_ref.actor.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
@@ -58,6 +62,8 @@ class Policy:
         sums: dict[str, float] = {}
         total_tokens = 0
         mini = actor.ppo_mini_batch_size or len(prepared)
+        n_steps, done = actor.ppo_epochs * math.ceil(len(prepared) / mini), 0
+        self.progress.update(done, n_steps)
         for _ in range(actor.ppo_epochs):
             order = list(range(len(prepared)))
             rng.shuffle(order)
@@ -69,6 +75,8 @@ class Policy:
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value * tokens
                 total_tokens += tokens
+                done += 1
+                self.progress.update(done, n_steps)
         return {key: value / max(total_tokens, 1) for key, value in sums.items()}
 
     def _with_old_logprobs(
@@ -94,7 +102,7 @@ class Policy:
     def _optimizer_step(
         self,
         chunk: list[tuple[Sample, dict[str, torch.Tensor]]],
-        rollout_is: str | None,
+        rollout_is: Literal["token", "sequence"] | None,
         threshold: float,
         temperature: float,
     ) -> tuple[dict[str, float], int]:

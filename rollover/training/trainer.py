@@ -19,6 +19,7 @@ import torch
 from rollover.config import RolloverConfig, check_async_rollout
 from rollover.gateway.client import GatewayClient, GatewayError
 from rollover.metrics import MetricsLogger, summarize
+from rollover.metrics.progress import NullProgress, Progress
 from rollover.store.models import RolloutState
 from rollover.training.algorithms import compute_advantages
 from rollover.training.data import PromptLoader
@@ -68,6 +69,7 @@ class Trainer:
     run_dir: Path | None = None
     poll_interval: float = 0.2
     clock: Callable[[], float] = time.monotonic  # `rollover simulate` drives the trainer in virtual time
+    progress: Progress = field(default_factory=NullProgress)  # live display of the running step
 
     def __post_init__(self) -> None:
         check_async_rollout(self.config)
@@ -76,7 +78,11 @@ class Trainer:
         rollout_config = {"timeout_seconds": self.config.agentlightning.rollout_timeout_seconds}
         self._backend: RolloutBackend = self.backend or GatewayBackend(self.client, rollout_config, self.poll_interval)
         self.backend = self._backend
-        self.manager = AsyncRolloutManager(self._backend, self.config.actor_rollout_ref.rollout.n)
+        self.manager = AsyncRolloutManager(
+            self._backend,
+            self.config.actor_rollout_ref.rollout.n,
+            on_poll=lambda window: self.progress.rollout_wait(window),
+        )
         self.loader = PromptLoader(self.train_tasks, seed=self.config.data.seed)
         self.rng = random.Random(self.config.trainer.seed)
         self._carry_over_rollouts: list[TrackedRollout] = []
@@ -151,6 +157,7 @@ class Trainer:
         inflight_at_pause = state.inflight
         started = self._paused_at = self.clock()
         deadline = started + gateway.drain_timeout_seconds
+        self.progress.drain(state.inflight)
         while state.inflight > 0:
             remaining = deadline - self.clock()
             if remaining <= 0:
@@ -161,6 +168,7 @@ class Trainer:
                     f"gateway.drain_timeout_seconds={gateway.drain_timeout_seconds}; running rollouts: {stuck}"
                 )
             state = await self.client.proxy_state(wait_drained=min(remaining, 10.0))
+            self.progress.drain(state.inflight)
         return inflight_at_pause, self.clock() - started
 
     async def _rollout(self, new_prompts: list[Prompt]) -> tuple[GroupedResult, int, float]:
@@ -294,11 +302,13 @@ class Trainer:
         update_metrics: dict[str, float] = {}
         update_s = sync_s = 0.0
         if samples:
+            self.progress.update(0, 0)
             await self.weight_sync.before_update()
             update_started = self.clock()
             update_metrics = await asyncio.to_thread(self.policy.update, samples, self.rng)
             update_s = self.clock() - update_started
             self.policy_version += 1
+            self.progress.weight_sync()
             sync_started = self.clock()
             await self.weight_sync.sync(self.policy, self.policy_version)
             sync_s = self.clock() - sync_started
@@ -343,7 +353,12 @@ class Trainer:
         await self._resume_gateway()
         tasks = self.val_tasks[: self.config.data.val_batch_size]
         prompts = [Prompt(data_id=f"val-{self.global_step}-{i}", input=task) for i, task in enumerate(tasks)]
-        val_manager = AsyncRolloutManager(self._backend, train_rollout_n=1)
+        self.progress.evaluation(0, len(prompts))
+        val_manager = AsyncRolloutManager(
+            self._backend,
+            train_rollout_n=1,
+            on_poll=lambda window: self.progress.evaluation(window.completed_groups, window.target_groups),
+        )
         result = await val_manager.enqueue_and_wait_until_group_completed(
             prompts, [], target_finished_group_num=len(prompts), step=self.global_step, is_train=False
         )
@@ -433,11 +448,13 @@ class Trainer:
             if val:
                 self._log(val)
         while self.global_step < total:
+            self.progress.step_started(self.global_step + 1, total)  # the step its metrics are logged at
             metrics = await self.train_step()
             last = self.global_step == total
             if trainer_cfg.test_freq and self.global_step % trainer_cfg.test_freq == 0 and not last:
                 metrics.update(await self.validate())
             self._log(metrics)
+            self.progress.step_finished(self.global_step, metrics)
             if self.run_dir is not None and (
                 last or (trainer_cfg.save_freq and self.global_step % trainer_cfg.save_freq == 0)
             ):

@@ -1,0 +1,85 @@
+"""The viewer's HTTP surface: JSON errors, the key, loopback by default, the page's files."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from rollover.cli.main import main
+from rollover.viewer.app import ViewerThread, access_key, is_loopback
+from rollover.viewer.data import RunFolder
+from tests.viewer.runfolder import write_run
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    return write_run(tmp_path / "run")
+
+
+@pytest.fixture
+def viewer(run_dir):
+    with ViewerThread(RunFolder(run_dir)) as server:
+        yield server
+
+
+def test_api_and_page(viewer):
+    with httpx.Client(base_url=viewer.url, timeout=30) as http:
+        assert http.get("api/run").json()["n"] == 2
+        assert http.get("api/metrics").json()["total"] == 4
+        assert [r["step"] for r in http.get("api/metrics", params={"since": 3}).json()["rows"]] == [2]
+        listing = http.get("api/rollouts", params={"state": "succeeded", "mode": "train", "limit": 2}).json()
+        assert listing["total"] == 3 and len(listing["rollouts"]) == 2
+        assert len(http.get("api/groups/g0").json()["rollouts"]) == 2
+        assert http.get("api/rollouts/r-g0-0").json()["samples"][0]["n_loss_tokens"] == 5
+        assert len(http.get("api/timeline").json()["steps"]) == 2
+        page = http.get("")
+        assert page.status_code == 200 and "static/app.js" in page.text
+        for name in ("app.js", "style.css"):
+            assert http.get(f"static/{name}").status_code == 200
+        # no CDN, no build step: the page loads nothing from elsewhere
+        for name in ("", "static/app.js", "static/style.css"):
+            body = http.get(name).text
+            assert "http://" not in body.replace("http://www.w3.org/2000/svg", "") and "https://" not in body
+
+
+@pytest.mark.parametrize(
+    "path,status",
+    [
+        ("api/rollouts/nope", 404),
+        ("api/groups/nope", 404),
+        ("api/rollouts?state=sleeping", 422),
+        ("api/rollouts?step=-1", 422),
+        ("api/metrics?since=x", 422),
+        ("static/..%2Fapp.py", 404),
+        ("static/nothing.js", 404),
+    ],
+)
+def test_errors_are_json(viewer, path, status):
+    response = httpx.get(viewer.url + path, timeout=30)
+    assert response.status_code == status
+    assert set(response.json()) == {"error", "reason"}
+
+
+def test_a_key_guards_everything_and_lands_in_a_cookie(run_dir):
+    with ViewerThread(RunFolder(run_dir), key="secret") as server, httpx.Client(base_url=server.url) as http:
+        refused = http.get("api/run")
+        assert refused.status_code == 401 and set(refused.json()) == {"error", "reason"}
+        assert http.get("api/run", headers={"x-api-key": "wrong"}).status_code == 401
+        assert http.get("api/run", headers={"Authorization": "Bearer secret"}).status_code == 200
+        landing = http.get("", params={"key": "secret"})
+        assert landing.status_code == 303 and "key=" not in landing.headers["location"]
+        assert http.get("api/run").status_code == 200  # the cookie from the landing
+
+
+def test_loopback_detection():
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.4") and not is_loopback("example.org")
+    assert access_key("127.0.0.1", None) is None
+    assert access_key("0.0.0.0", "mine") == "mine"
+    generated = access_key("0.0.0.0", None)
+    assert generated and generated != access_key("0.0.0.0", None)
+
+
+def test_view_command_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
+    assert main(["view", str(tmp_path)]) == 2
+    assert "neither store.db nor metrics.jsonl" in capsys.readouterr().err
