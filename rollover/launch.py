@@ -5,6 +5,7 @@ this module is the one place that imports them all."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 import os
@@ -82,6 +83,7 @@ async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) 
     from rollover.gateway.client import GatewayClient
     from rollover.gateway.server import GatewayProcess
     from rollover.metrics import MetricsLogger
+    from rollover.metrics.console import LiveConsole, RunSummary
     from rollover.training.data import read_tasks
     from rollover.training.policy import Policy, pick_device
     from rollover.training.trainer import Trainer
@@ -118,6 +120,7 @@ async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) 
         start_timeout_s=rollout.start_timeout_seconds,
         device="cuda" if device == "cuda" else "cpu",
     )
+    started = time.monotonic()
     metrics = MetricsLogger(
         run_dir,
         config.trainer.logger,
@@ -125,6 +128,8 @@ async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) 
         experiment=config.trainer.experiment_name,
         config=config.model_dump(mode="json"),
     )
+    # One console for the step lines and the live status line, so the lines scroll above it.
+    live = LiveConsole(metrics.console) if "console" in config.trainer.logger else None
     client: GatewayClient | None = None
     try:
         gateway.start()
@@ -150,6 +155,8 @@ async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) 
                 metrics=metrics,
                 run_dir=run_dir,
             )
+            if live is not None:
+                trainer.progress = policy.progress = live
             if checkpoint is not None:
                 _restore(trainer, policy, checkpoint)
                 stranded = await trainer.reconcile_after_restart()
@@ -161,9 +168,13 @@ async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) 
             engine.attach_gateway(gateway.url, admin_key)
             await engine.register_with_gateway(gateway.url, admin_key)
             watchdog = EngineWatchdog(engine, engine_lock, max_restarts=rollout.max_engine_restarts)
-            await _until_first_done(trainer.fit(policy.optimizer), watchdog.run())
+            with live if live is not None else contextlib.nullcontext():
+                await _until_first_done(trainer.fit(policy.optimizer), watchdog.run())
         summary = {k: v for k, v in trainer.history[-1].items()} if trainer.history else {}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if live is not None:
+            wall = time.monotonic() - started
+            live.summary(RunSummary.from_history(trainer.history, trainer.global_step, wall, run_dir))
         return 0
     finally:
         metrics.close()
