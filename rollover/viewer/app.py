@@ -195,6 +195,11 @@ class ViewerThread:
         self._thread.join(timeout=10)
 
 
+def _warm_imports() -> None:
+    import rollover.training.algorithms
+    import rollover.training.samples  # noqa: F401
+
+
 def serve(
     run_dir: str | Path,
     *,
@@ -208,6 +213,8 @@ def serve(
 
     run = RunFolder(run_dir, tokenizer)
     key = access_key(host, key)
+    # torch (the trainer's advantages and samples) takes seconds to import: not on the first click
+    threading.Thread(target=_warm_imports, name="viewer-imports", daemon=True).start()
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/"
     print(f"viewing {run.run_dir} at {url}{f'?key={key}' if key else ''}", flush=True)
     uvicorn.run(build_app(run, key), host=host, port=port, log_level=log_level)

@@ -28,7 +28,7 @@ class RunFolderError(ValueError):
 
 @dataclass(frozen=True)
 class RolloutFilter:
-    step: int | None = None  # the step its group was enqueued at
+    step: int | None = None  # the step that enqueued its group (held-out: the step it ran after)
     state: str | None = None  # queuing | running | succeeded | failed | aborted
     mode: str | None = None  # train | val
     group: str | None = None  # data_id, exact
@@ -215,12 +215,15 @@ class RunFolder:
         }
 
     def _row(self, rollout: Rollout, reward: float | None) -> dict[str, Any]:
-        step = rollout.metadata.get("enqueued_step")
+        # Numbered as metrics.jsonl and the console number steps: a training group enqueued by
+        # step k (the trainer's 0-based enqueued_step k-1); a held-out rollout run after step k.
+        enqueued = rollout.metadata.get("enqueued_step")
+        step = None if not isinstance(enqueued, int) else enqueued + 1 if rollout.is_train else enqueued
         return {
             "rollout_id": rollout.rollout_id,
             "group": _group_of(rollout),
             "mode": "train" if rollout.is_train else "val",
-            "step": step if isinstance(step, int) else None,
+            "step": step,
             "state": rollout.state.value,
             "aborted": rollout.aborted,
             "terminal": rollout.state.terminal,

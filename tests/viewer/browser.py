@@ -64,8 +64,11 @@ def main(argv: list[str]) -> int:
     with ViewerThread(RunFolder(run_dir)) as viewer:
         driver = start_chromium()
         try:
+            from selenium.webdriver.support.ui import WebDriverWait
+
             driver.get(viewer.url + route)
-            time.sleep(3)
+            WebDriverWait(driver, 120).until(lambda d: d.execute_script("return document.body.dataset.rendered"))
+            time.sleep(1)
             print(full_page_screenshot(driver, out))
         finally:
             driver.quit()

@@ -93,7 +93,7 @@ async def _fill(store: RolloutStore) -> None:
     async def reward(rid: str, attempt: str, value: float) -> None:
         await store.add_event(rid, attempt, EventCreate(event_type="reward", data={"value": value}))
 
-    # group g0 (step 0): a two-turn rollout with a tool call (merged into one sample), and a
+    # group g0 (enqueued by the first step): a two-turn rollout with a tool call (merged into one sample), and a
     # sibling whose first attempt failed and whose second one answered wrongly.
     await rollout("r-g0-0", "g0", 0)
     await rollout("r-g0-1", "g0", 0)
@@ -112,7 +112,7 @@ async def _fill(store: RolloutStore) -> None:
     await store.add_event("r-g0-1", a, call_event("user what is 2 + 3 ? assistant", "ANSWER: 3 <eos>", 1))
     await reward("r-g0-1", a, 0.0)
     await finish("r-g0-1", RolloutState.SUCCEEDED)
-    # group g1 (step 1): carried over, then aborted when training finished.
+    # group g1 (enqueued by the second step): carried over, then aborted when training finished.
     await rollout("r-g1-0", "g1", 1)
     await rollout("r-g1-1", "g1", 1)
     a = await run("r-g1-0")

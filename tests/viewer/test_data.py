@@ -49,7 +49,9 @@ def test_rollouts_carry_rewards_and_the_trainers_advantages(folder):
 @pytest.mark.parametrize(
     "keep,expected",
     [
-        (RolloutFilter(step=1), {"r-g1-0", "r-g1-1"}),
+        (RolloutFilter(step=1), {"r-g0-0", "r-g0-1"}),  # enqueued_step 0: by the first step
+        (RolloutFilter(step=2), {"r-g1-0", "r-g1-1"}),
+        (RolloutFilter(step=0), {"val-0-0"}),  # held out before training
         (RolloutFilter(state="aborted"), {"r-g1-1"}),
         (RolloutFilter(state="failed"), {"r-g1-1"}),
         (RolloutFilter(state="succeeded", mode="train"), {"r-g0-0", "r-g0-1", "r-g1-0"}),

@@ -128,7 +128,13 @@ function niceTicks(lo, hi, count) {
   const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((s) => s >= raw) || raw;
   const ticks = [];
   for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) ticks.push(+t.toFixed(10));
+  // enough decimals to tell neighbouring ticks apart (0.002 and 0.004, not 0.00 twice)
+  ticks.decimals = Math.max(0, -Math.floor(Math.log10(step) + 1e-9) + (step / mag === 2.5 ? 1 : 0));
   return ticks;
+}
+
+function tickLabel(value, ticks) {
+  return Number.isInteger(value) ? String(value) : value.toFixed(Math.min(ticks.decimals, 6));
 }
 
 function seriesOf(rows, key) {
@@ -157,24 +163,26 @@ function lineChart(title, keys, rows) {
   const svg = svgEl("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": title });
   for (const t of yt) {
     svg.append(svgEl("line", { class: "gridline", x1: L, x2: W - R, y1: sy(t), y2: sy(t) }));
-    svg.append(svgEl("text", { x: L - 4, y: sy(t) + 3, "text-anchor": "end" }, fmt(t, 2)));
+    svg.append(svgEl("text", { x: L - 4, y: sy(t) + 3, "text-anchor": "end" }, tickLabel(t, yt)));
   }
   const xt = niceTicks(x0, x1, Math.min(6, Math.max(1, Math.round(x1 - x0)))).filter((t) => Number.isInteger(t));
   for (const t of xt) svg.append(svgEl("text", { x: sx(t), y: H - 6, "text-anchor": "middle" }, String(t)));
   svg.append(svgEl("line", { class: "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }));
   svg.append(svgEl("line", { class: "axis", x1: L, x2: L, y1: T, y2: H - B }));
-  for (const s of series) {
+  series.forEach((s, i) => {
     const path = s.points.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ");
+    // later series dashed, so one that lies on another (accuracy on a 0/1 reward) still shows
     svg.append(svgEl("polyline", { points: path, fill: "none", stroke: s.color, "stroke-width": 1.8,
-      dataset: { series: s.key, points: s.points.length } }));
+      "stroke-dasharray": i % 2 ? "5 3" : null, dataset: { series: s.key, points: s.points.length } }));
     for (const [x, y] of s.points) {
       svg.append(withTip(svgEl("circle", { cx: sx(x), cy: sy(y), r: 2.6, fill: s.color, class: "point" }),
         `${s.key}\nstep ${x}: ${fmt(y, 4)}`));
     }
-  }
+  });
   card.append(svg);
   card.append(el("div", { class: "legend" },
-    series.map((s) => el("span", {}, el("i", { style: `background:${s.color}` }), s.key))));
+    series.map((s, i) => el("span", {}, el("i", { style: i % 2 ? `border-top:2px dashed ${s.color};height:0`
+      : `background:${s.color}` }), s.key))));
   return card;
 }
 
@@ -246,10 +254,11 @@ async function viewTimeline() {
   const H = T + rows.length * RH + B;
   const sx = (t) => L + ((t - origin) / Math.max(end, 1e-9)) * (W - L - R);
   const svg = svgEl("svg", { viewBox: `0 0 ${W} ${H}`, id: "timeline", role: "img", "aria-label": "step timeline" });
-  for (const t of niceTicks(0, end, 8)) {
+  const xticks = niceTicks(0, end, 8);
+  for (const t of xticks) {
     const x = sx(origin + t);
     svg.append(svgEl("line", { class: "gridline", x1: x, x2: x, y1: T, y2: H - B }));
-    svg.append(svgEl("text", { x, y: H - 8, "text-anchor": "middle" }, `${fmt(t, 1)}s`));
+    svg.append(svgEl("text", { x, y: H - 8, "text-anchor": "middle" }, `${tickLabel(t, xticks)}s`));
   }
   rows.forEach((row, i) => {
     const y = T + i * RH;
@@ -317,7 +326,7 @@ async function viewRollouts(params) {
     for (const [k, v] of new FormData(event.target)) if (String(v).trim()) next.set(k, String(v).trim());
     location.hash = `#/rollouts?${next}`;
   } },
-  field("step", "step enqueued", text("step", { type: "number", min: 0, style: "width:90px" })),
+  field("step", "enqueued by step", text("step", { type: "number", min: 0, style: "width:90px" })),
   field("state", "state", select("state", ["", "queuing", "running", "succeeded", "failed", "aborted"])),
   field("mode", "mode", select("mode", ["", "train", "val"])),
   field("group", "group (data id)", text("group", {})),
@@ -437,7 +446,7 @@ async function viewRollout(rolloutId) {
       el("div", {}, el("b", {}, "state"), stateBadge(r)),
       el("div", {}, el("b", {}, "mode"), r.mode),
       el("div", {}, el("b", {}, "group"), el("a", { class: "mono", href: `#/group/${encodeURIComponent(r.group)}` }, r.group)),
-      el("div", {}, el("b", {}, "step enqueued"), fmt(r.step)),
+      el("div", {}, el("b", {}, r.mode === "val" ? "after step" : "enqueued by step"), fmt(r.step)),
       el("div", {}, el("b", {}, "reward"), el("span", { id: "reward" }, fmt(r.reward))),
       el("div", {}, el("b", {}, "advantage"), el("span", { id: "advantage" }, fmt(r.advantage))),
       el("div", {}, el("b", {}, "queued"), secs(r.queue_s)),
