@@ -30,7 +30,8 @@ const CHARTS = [
     "rollout_corr/clipped_fraction", "rollout_corr/kl"] },
 ];
 
-const state = { run: null, metrics: [], refreshing: false, lastUpdate: 0, picked: [] };
+// pending: the view on screen shows rollouts that are not finished, so it is redrawn each tick
+const state = { run: null, metrics: [], refreshing: false, lastUpdate: 0, picked: [], pending: false };
 
 // -- small helpers -----------------------------------------------------------------------
 
@@ -293,6 +294,7 @@ async function viewTimeline() {
 }
 
 const FILTERS = ["step", "state", "mode", "group", "reward_min", "reward_max"];
+const PAGE = 500;
 
 function rolloutRow(row) {
   return el("tr", { class: "clickable", dataset: { rollout: row.rollout_id },
@@ -314,8 +316,11 @@ function rolloutTable(rows, id) {
 async function viewRollouts(params) {
   const query = new URLSearchParams();
   for (const name of FILTERS) if (params.get(name)) query.set(name, params.get(name));
-  query.set("limit", params.get("limit") || "500");
+  const offset = Math.max(0, parseInt(params.get("offset") || "0", 10) || 0);
+  query.set("limit", String(PAGE));
+  query.set("offset", String(offset));
   const data = await api(`api/rollouts?${query}`);
+  state.pending = data.rollouts.some((r) => !r.terminal);
   const field = (name, label, input) => el("label", {}, label, input);
   const text = (name, attrs) => el("input", { name, value: params.get(name) || "", ...attrs });
   const select = (name, options) => el("select", { name }, options.map((o) =>
@@ -334,10 +339,17 @@ async function viewRollouts(params) {
   field("reward_max", "reward ≤", text("reward_max", { type: "number", step: "any", style: "width:90px" })),
   el("button", { class: "primary", type: "submit" }, "filter"),
   el("button", { type: "button", onclick: () => { location.hash = "#/rollouts"; } }, "clear"));
-  const shown = data.rollouts.length < data.total ? ` (first ${data.rollouts.length})` : "";
-  return el("div", {}, el("h2", {}, "Rollouts"), form,
-    el("p", { class: "muted", id: "rollout-count" }, `${data.total} rollout${data.total === 1 ? "" : "s"}${shown}`),
-    rolloutTable(data.rollouts, "rollouts"));
+  const shown = data.rollouts.length < data.total
+    ? ` (${offset + 1}–${offset + data.rollouts.length} shown)` : "";
+  const page = (to) => {
+    const next = new URLSearchParams(params);
+    next.set("offset", String(to));
+    return `#/rollouts?${next}`;
+  };
+  const pager = el("p", { class: "muted", id: "rollout-count" }, `${data.total} rollout${data.total === 1 ? "" : "s"}${shown} `,
+    offset > 0 ? el("a", { href: page(Math.max(0, offset - PAGE)) }, "◀ previous") : null, " ",
+    offset + data.rollouts.length < data.total ? el("a", { href: page(offset + PAGE) }, "next ▶") : null);
+  return el("div", {}, el("h2", {}, "Rollouts"), form, pager, rolloutTable(data.rollouts, "rollouts"));
 }
 
 function lastAnswer(row) {
@@ -357,6 +369,7 @@ function siblingCards(siblings, current) {
 
 async function viewGroup(group) {
   const data = await api(`api/groups/${encodeURIComponent(group)}`);
+  state.pending = data.rollouts.some((r) => !r.terminal);
   const rewards = data.rollouts.map((r) => r.reward).filter((r) => r !== null);
   const flat = rewards.length > 1 && rewards.every((r) => r === rewards[0]);
   return el("div", {}, el("h2", {}, "Group ", el("span", { class: "mono" }, group)),
@@ -433,6 +446,7 @@ function tokenView(sample, index) {
 
 async function viewRollout(rolloutId) {
   const r = await api(`api/rollouts/${encodeURIComponent(rolloutId)}`);
+  state.pending = r.siblings.some((s) => !s.terminal);
   const attempts = el("table", { id: "attempts" }, el("tr", {}, ["attempt", "state", "started", "ran", "error"].map((h) => el("th", {}, h))),
     r.attempts.map((a) => el("tr", {}, el("td", { class: "mono" }, a.attempt_id), el("td", {}, stateBadge({ state: a.state })),
       el("td", {}, new Date(a.started_at * 1000).toLocaleTimeString()), el("td", { class: "num" }, secs(a.duration_s)),
@@ -480,6 +494,7 @@ async function render() {
     a.dataset.nav === route.name || (a.dataset.nav === "rollouts" && ["rollout", "group"].includes(route.name))));
   const main = document.getElementById("main");
   let view;
+  state.pending = false;
   try {
     if (route.name === "timeline") view = await viewTimeline();
     else if (route.name === "rollouts") view = await viewRollouts(route.params);
@@ -508,10 +523,11 @@ async function tick(full) {
     const before = state.metrics.length;
     await refreshMetrics();
     state.lastUpdate = Date.now();
-    // While live, redraw the metric and timeline views when rows arrive; the others when asked.
+    // While live, redraw when metric rows arrive, and views of unfinished rollouts every tick.
     const route = parseRoute().name;
     const typing = document.activeElement && ["INPUT", "SELECT"].includes(document.activeElement.tagName);
-    if (full || (!typing && state.metrics.length !== before && ["overview", "timeline", "rollouts"].includes(route))) {
+    const moved = state.metrics.length !== before && ["overview", "timeline", "rollouts"].includes(route);
+    if (full || (!typing && (moved || state.pending))) {
       await render();
     }
   } catch (error) {
