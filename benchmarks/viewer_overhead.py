@@ -126,7 +126,7 @@ class RunResult:
 def one_run(
     settings: async_vs_sync.Settings, engine: Any, model: Path, data: Any, name: str, poll: float | None
 ) -> RunResult:
-    from rollover.training.run import run_training
+    from rollover.launch import run_training
 
     config = async_vs_sync.mode_config(settings, name, 2 * settings.batch, model, data)
     shutil.rmtree(config.trainer.run_dir, ignore_errors=True)  # else the run moves it aside

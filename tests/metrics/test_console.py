@@ -10,7 +10,7 @@ from rich.console import Console
 
 from rollover.metrics.console import LiveConsole, RunSummary, format_duration
 from rollover.metrics.progress import WindowStatus
-from rollover.training.simulate import LogNormal, Scenario, Simulation
+from rollover.simulate import LogNormal, Scenario, Simulation
 
 
 class FakeClock:
