@@ -1,7 +1,7 @@
 """Drain detection lag, and the time an agent loses to a pause, on a real gateway.
 
 A gateway runs as its own process (`GatewayProcess`) in front of a stand-in upstream that
-answers every call after a known delay (`python -m rollover.gateway.stub_upstream --delay D`).
+answers every call after a known delay (`python -m rollover.testing.stub_upstream --delay D`).
 
 1. Detection lag. A few calls are put in flight, the proxy is paused, and the trainer's side
    waits for `inflight == 0`, either the Agent Lightning way (GET /proxy/state every 0.25 s)
@@ -292,7 +292,7 @@ async def run_async(settings: Settings) -> Report:
     load_before = os.getloadavg()
     port = free_port()
     stub = subprocess.Popen(
-        [sys.executable, "-m", "rollover.gateway.stub_upstream", "--port", str(port), "--delay", str(settings.delay)],
+        [sys.executable, "-m", "rollover.testing.stub_upstream", "--port", str(port), "--delay", str(settings.delay)],
         start_new_session=True,
         preexec_fn=die_with_parent,
     )

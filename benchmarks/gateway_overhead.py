@@ -48,7 +48,7 @@ def percentile(values: list[float], q: float) -> float:
 async def main_async(args: argparse.Namespace) -> None:
     port = free_port()
     stub = subprocess.Popen(
-        [sys.executable, "-m", "rollover.gateway.stub_upstream", "--port", str(port), "--delay", str(args.delay)],
+        [sys.executable, "-m", "rollover.testing.stub_upstream", "--port", str(port), "--delay", str(args.delay)],
         start_new_session=True,
         preexec_fn=die_with_parent,
     )

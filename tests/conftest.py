@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from rollover.gateway.server import GatewayThread
-from rollover.gateway.stub_upstream import StubUpstream
+from rollover.testing.stub_upstream import StubUpstream
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")

@@ -4,7 +4,7 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,21 +15,13 @@ from rollover.gateway.client import GatewayClient
 from rollover.gateway.server import GatewayThread
 from rollover.processes import group_members
 from rollover.store.models import Rollout
-
-ADMIN_KEY = "admin"
-
-
-@pytest.fixture(scope="module")
-def gateway() -> Iterator[GatewayThread]:
-    with GatewayThread(admin_key=ADMIN_KEY) as thread:
-        yield thread
+from tests.conftest import ADMIN_KEY
 
 
 @pytest.fixture
 async def client(gateway: GatewayThread) -> AsyncIterator[GatewayClient]:
     async with GatewayClient(gateway.url, ADMIN_KEY) as gateway_client:
         yield gateway_client
-        await gateway_client.resume()
 
 
 class HandClock:

@@ -17,8 +17,8 @@ from rollover.gateway.client import GatewayClient
 from rollover.gateway.server import GatewayThread
 from rollover.processes import child_pids
 from rollover.store.models import RolloutCreate, RolloutState
+from tests.conftest import ADMIN_KEY
 from tests.controller.conftest import (
-    ADMIN_KEY,
     alive,
     make_config,
     new_id,

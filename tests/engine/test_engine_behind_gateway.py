@@ -9,14 +9,14 @@ from transformers import AutoModelForCausalLM
 from rollover.engine.weights import save_weights
 from rollover.gateway.auth import scoped_key
 from rollover.gateway.server import GatewayThread
+from tests.conftest import ADMIN_KEY
 
 pytestmark = pytest.mark.vllm
-KEY = "engine-admin"
 PROMPT = [{"role": "user", "content": "What is 12+30?"}]
 
 
 def running_rollout(gateway):
-    admin = httpx.Client(base_url=gateway.url, headers={"x-api-key": KEY}, timeout=60)
+    admin = httpx.Client(base_url=gateway.url, headers={"x-api-key": ADMIN_KEY}, timeout=60)
     rid = admin.post("/api/rollouts", json=[{"input": {}}]).json()[0]["rollout_id"]
     admin.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running"}})
     return admin, rid
@@ -25,13 +25,13 @@ def running_rollout(gateway):
 def call(gateway, rid, mode="val", **extra):
     url = f"{gateway.url}/proxy/rollout/{rid}/attempt/a1/mode/{mode}/openai/v1/chat/completions"
     body = {"messages": PROMPT, "max_tokens": 12, **extra}
-    return httpx.post(url, json=body, headers={"Authorization": f"Bearer {scoped_key(KEY, rid)}"}, timeout=120)
+    return httpx.post(url, json=body, headers={"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid)}"}, timeout=120)
 
 
 async def test_recorded_calls_and_weight_update_through_the_gateway(vllm_engine, tiny_model_dir, tmp_path):
-    with GatewayThread(admin_key=KEY) as gateway:
-        await vllm_engine.register_with_gateway(gateway.url, KEY)
-        vllm_engine.attach_gateway(gateway.url, KEY)
+    with GatewayThread(admin_key=ADMIN_KEY) as gateway:
+        await vllm_engine.register_with_gateway(gateway.url, ADMIN_KEY)
+        vllm_engine.attach_gateway(gateway.url, ADMIN_KEY)
         admin, rid = running_rollout(gateway)
         try:
             before = call(gateway, rid).json()["choices"][0]["message"]["content"]

@@ -18,6 +18,7 @@ import pytest
 from rollover.engine.testing import TEST_MAX_MODEL_LEN, alive, engine_family
 from rollover.engine.vllm_engine import EngineError, EngineStartError, VLLMEngine
 from rollover.processes import descendant_pids, group_members
+from tests.conftest import ADMIN_KEY
 
 pytestmark = pytest.mark.vllm
 
@@ -69,9 +70,6 @@ def test_broken_model_dir_reports_exit_code_and_log_tail(tmp_path: Path) -> None
     assert not engine.is_alive() and not alive(family)
 
 
-KEY = "lifecycle-admin"
-
-
 async def test_kill_mid_request_is_a_json_error_swept_and_the_watchdog_restores_service(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -79,17 +77,17 @@ async def test_kill_mid_request_is_a_json_error_swept_and_the_watchdog_restores_
     from rollover.gateway.auth import scoped_key
     from rollover.gateway.server import GatewayThread
 
-    with GatewayThread(admin_key=KEY) as gateway, small_engine(tiny_model_dir, tmp_path) as engine:
-        engine.attach_gateway(gateway.url, KEY)
-        await engine.register_with_gateway(gateway.url, KEY)
+    with GatewayThread(admin_key=ADMIN_KEY) as gateway, small_engine(tiny_model_dir, tmp_path) as engine:
+        engine.attach_gateway(gateway.url, ADMIN_KEY)
+        await engine.register_with_gateway(gateway.url, ADMIN_KEY)
         async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as http:
-            admin = {"x-api-key": KEY}
+            admin = {"x-api-key": ADMIN_KEY}
             [rollout] = (await http.post("/api/rollouts", json=[{"input": {}}], headers=admin)).json()
             rid = rollout["rollout_id"]
             await http.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running"}}, headers=admin)
             url = f"/proxy/rollout/{rid}/attempt/a1/mode/train/openai/v1/chat/completions"
             body = {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 8}
-            agent = {"Authorization": f"Bearer {scoped_key(KEY, rid)}"}
+            agent = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid)}"}
 
             # Freeze the API server so the call is surely in flight when it dies.
             family = engine_family(engine)

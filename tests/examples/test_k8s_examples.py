@@ -24,8 +24,8 @@ import yaml
 from rollover.controller import Controller
 from rollover.gateway.client import GatewayClient
 from rollover.gateway.server import GatewayThread
-from rollover.gateway.stub_upstream import StubUpstream
 from rollover.store.models import RolloutCreate, RolloutState
+from rollover.testing.stub_upstream import StubUpstream
 from tests.controller.conftest import new_id, wait_for_rollout
 from tests.controller.test_k8s_runner import NAMESPACE, POD_GATEWAY, Cluster, k8s_config
 

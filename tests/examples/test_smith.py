@@ -24,11 +24,11 @@ from rollover.controller.job_template import JobTemplate, build_job
 from rollover.gateway.auth import scoped_key
 from rollover.gateway.server import GatewayThread, free_port, wait_healthy
 from rollover.training.data import write_tasks
+from tests.conftest import ADMIN_KEY
 from tests.runs import train_briefly
 
 ROOT = Path(__file__).resolve().parents[2]
 SMITH_CONFIG = ROOT / "examples" / "smith" / "config.yaml"
-ADMIN_KEY = "smith-admin"
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import httpx
 
 from rollover.gateway.auth import scoped_key
 from rollover.gateway.server import GatewayProcess
-from rollover.gateway.stub_upstream import StubBehaviour, StubUpstream
+from rollover.testing.stub_upstream import StubBehaviour, StubUpstream
 from tests.conftest import ADMIN_KEY
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

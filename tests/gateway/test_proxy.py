@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from rollover.gateway.auth import scoped_key
-from rollover.gateway.stub_upstream import StubUpstream
+from rollover.testing.stub_upstream import StubUpstream
 from tests.conftest import ADMIN_KEY
 
 
@@ -130,9 +130,10 @@ def test_sticky_upstream_per_rollout(gateway, admin):
             json=[{"model": "policy", "endpoint": a.base_url}, {"model": "policy", "endpoint": b.base_url}],
         )
         rids = [running_rollout(admin) for _ in range(12)]
-        for rid in rids:
-            for _ in range(3):
-                httpx.post(proxy_url(gateway, rid), json={"messages": [rid]}, headers=agent_headers(rid))
+        with httpx.Client(timeout=30) as agents:  # one client: a new one per call costs more than the call
+            for rid in rids:
+                for _ in range(3):
+                    agents.post(proxy_url(gateway, rid), json={"messages": [rid]}, headers=agent_headers(rid))
         for rid in rids:
             upstreams = {e["data"]["upstream"] for e in admin.get(f"/api/rollouts/{rid}/events").json()}
             assert len(upstreams) == 1

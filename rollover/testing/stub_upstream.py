@@ -163,7 +163,7 @@ class StubUpstream:
 
 
 def main() -> None:
-    """`python -m rollover.gateway.stub_upstream --port P [--delay S]`: the stub as its own process."""
+    """`python -m rollover.testing.stub_upstream --port P [--delay S]`: the stub as its own process."""
     import argparse
 
     parser = argparse.ArgumentParser()
