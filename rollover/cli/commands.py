@@ -66,11 +66,16 @@ def config_show(args: argparse.Namespace) -> int:
 def train(args: argparse.Namespace) -> int:
     from rollover.cli.logs import configure_logging
     from rollover.config import load_config
+
+    try:
+        config = load_config(args.config, args.overrides)
+    except (ConfigError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    # Only now: a bad config is reported without first importing torch and vLLM (seconds).
     from rollover.engine.vllm_engine import EngineError
     from rollover.launch import run_training
 
     try:
-        config = load_config(args.config, args.overrides)
         configure_logging()
         return run_training(config)
     except (ConfigError, ValueError) as exc:

@@ -42,6 +42,7 @@ def test_async_vs_sync_smoke(tmp_path, calc_model, vllm_engine, capsys):
     assert comparison["window"] == 4 and comparison["measured"] > 0 and comparison["predicted"] > 0
 
 
+@pytest.mark.slow
 def test_drain_latency_smoke():
     # Calls of 1 s: on a busy machine both must still be in flight when the drain is measured.
     settings = drain_latency.Settings(

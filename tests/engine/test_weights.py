@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from rollover.engine.weights import WEIGHTS_FILE, save_weights
 
 
+@pytest.mark.slow
 def test_save_weights_writes_one_safetensors_file(tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 

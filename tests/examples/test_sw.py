@@ -96,6 +96,7 @@ def test_window_keeps_the_task_and_the_latest_turns() -> None:
     assert kept == messages[:4] + messages[-2:]
 
 
+@pytest.mark.slow
 def test_the_jvm_ends_on_close_and_on_error() -> None:
     with pytest.raises(RuntimeError, match="agent crashed"), ScienceWorld() as world:
         pid = world.pid
@@ -144,6 +145,7 @@ def test_the_demonstration_follows_the_protocol() -> None:
     assert [parse_action(m["content"]) for m in DEMONSTRATION[1::2]] == ["teleport to kitchen", "focus on red apple"]
 
 
+@pytest.mark.slow
 def test_scripted_episode_scores() -> None:
     actions = iter(["teleport to kitchen", "look around", "focus on table"])
     seen: list[str] = []
@@ -165,6 +167,7 @@ def test_scripted_episode_scores() -> None:
     assert episode.reward == episode.score / 100
 
 
+@pytest.mark.slow
 def test_prepare_splits_tasks_by_variation(tmp_path: Path) -> None:
     from examples.sw.prepare import prepare
     from rollover.training.data import read_tasks

@@ -5,6 +5,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from rollover.gateway.auth import scoped_key
 from rollover.gateway.server import GatewayProcess
@@ -25,6 +26,7 @@ async def make_running_rollouts(client: httpx.AsyncClient, count: int) -> list[s
     return [r["rollout_id"] for r in created]
 
 
+@pytest.mark.slow
 def test_64_agents_through_pause_and_resume(tmp_path):
     calls_per_agent = 8
     with (
@@ -92,6 +94,7 @@ def test_64_agents_through_pause_and_resume(tmp_path):
         asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_sigkill_mid_traffic_loses_nothing_acknowledged(tmp_path):
     store_path = str(tmp_path / "crash.db")
     gateway = GatewayProcess(store=store_path, admin_key=ADMIN_KEY).start()

@@ -1,6 +1,7 @@
 import json
 
 import matplotlib.image as mpimg
+import pytest
 
 from rollover.cli.main import main
 from rollover.metrics import MetricsLogger, read_jsonl, summarize
@@ -14,6 +15,7 @@ def test_summarize_quantiles():
     assert summarize("t", []) == {}
 
 
+@pytest.mark.slow
 def test_jsonl_and_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     logger = MetricsLogger(tmp_path, ["jsonl", "wandb", "console"], experiment="t")

@@ -27,6 +27,7 @@ def test_missing_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch, 
 
 
 @needs_package
+@pytest.mark.slow
 def test_convert_smollm2(tmp_path: Path) -> None:
     """~25 s on 2 CPU cores: dequantizing the Q4_1 GGUF dominates."""
     import torch

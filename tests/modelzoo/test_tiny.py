@@ -16,6 +16,7 @@ def tok(tiny_model_dir: Path):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+@pytest.mark.slow
 def test_folder_has_hf_files(tiny_model_dir: Path) -> None:
     names = {p.name for p in tiny_model_dir.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= names
@@ -28,11 +29,13 @@ def test_folder_has_hf_files(tiny_model_dir: Path) -> None:
     assert set(gen) - {"eos_token_id", "pad_token_id", "bos_token_id", "transformers_version"} == set()
 
 
+@pytest.mark.slow
 def test_tokenizer_round_trips(tok) -> None:
     for text in ["What is 12345 + 6789?", "ANSWER: 42\n", "café naïve — ok", "  spaces\tand\ttabs  "]:
         assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 
+@pytest.mark.slow
 def test_tokenizer_json_agrees_with_auto_tokenizer(tiny_model_dir: Path, tok) -> None:
     # transformers swaps in its own Qwen2 pipeline on load; ours must split identically.
     from tokenizers import Tokenizer
@@ -42,6 +45,7 @@ def test_tokenizer_json_agrees_with_auto_tokenizer(tiny_model_dir: Path, tok) ->
     assert raw.encode(text).ids == tok.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.slow
 def test_digits_are_single_tokens(tok) -> None:
     text = "The result of 9876543210 * 12 is 118518518520 (x=07)."
     for piece in tok.convert_ids_to_tokens(tok.encode(text, add_special_tokens=False)):
@@ -50,6 +54,7 @@ def test_digits_are_single_tokens(tok) -> None:
     assert tok.encode("31415", add_special_tokens=False) == [tok.convert_tokens_to_ids(d) for d in "31415"]
 
 
+@pytest.mark.slow
 def test_special_tokens(tok) -> None:
     assert tok.eos_token == IM_END and tok.pad_token == PAD_TOKEN
     for t in (IM_START, IM_END, PAD_TOKEN):
@@ -57,6 +62,7 @@ def test_special_tokens(tok) -> None:
     assert tok.encode("hi", add_special_tokens=True) == tok.encode("hi", add_special_tokens=False)
 
 
+@pytest.mark.slow
 def test_chat_template(tok) -> None:
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -85,6 +91,7 @@ def test_chat_template(tok) -> None:
     assert tok.apply_chat_template(messages[:2], tokenize=False).endswith("<|im_end|>\n")
 
 
+@pytest.mark.slow
 def test_model_loads_and_runs(tiny_model_dir: Path, tok) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -53,6 +53,7 @@ def _format_ok(tok, model, rng: random.Random) -> bool:
     return bool(re.fullmatch(r"ANSWER: \d+", reply.strip()))
 
 
+@pytest.mark.slow
 def test_mask_covers_assistant_tokens_and_eos(tiny_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -84,6 +85,7 @@ def test_read_chat_jsonl(tmp_path: Path) -> None:
         read_chat_jsonl(path)
 
 
+@pytest.mark.slow
 def test_warmup_teaches_the_format(tiny_model_dir: Path, tmp_path: Path) -> None:
     rng = random.Random(0)
     examples = [format_task(rng)[0] for _ in range(2000)]
@@ -101,6 +103,7 @@ def test_warmup_teaches_the_format(tiny_model_dir: Path, tmp_path: Path) -> None
     assert json.loads((out / "warmup_metrics.json").read_text())["steps"] == 300
 
 
+@pytest.mark.slow
 def test_warmup_rejects_chats_without_assistant(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="assistant"):
         sft_warmup(tiny_model_dir, [[{"role": "user", "content": "hi"}]], tmp_path / "x", steps=1)
