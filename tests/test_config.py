@@ -2,14 +2,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from rollover.config import (
-    ConfigError,
-    RolloverConfig,
-    check_async_rollout,
-    config_yaml,
-    default_config_text,
-    load_config,
-)
+from rollover.config import ConfigError, RolloverConfig, check_async_rollout, load_config
+from rollover.config_yaml import config_yaml, default_config_text
 
 
 def test_defaults_match_the_seed():

@@ -42,14 +42,15 @@ def gateway(args: argparse.Namespace) -> int:
 
 
 def config_defaults(args: argparse.Namespace) -> int:
-    from rollover.config import config_yaml
+    from rollover.config_yaml import config_yaml
 
     sys.stdout.write(config_yaml())
     return 0
 
 
 def config_show(args: argparse.Namespace) -> int:
-    from rollover.config import config_yaml, load_config
+    from rollover.config import load_config
+    from rollover.config_yaml import config_yaml
 
     path, overrides = args.config, list(args.overrides)
     if path is not None and "=" in path and not Path(path).is_file():
