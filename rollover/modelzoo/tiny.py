@@ -13,37 +13,15 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Literal
 
+from rollover.modelzoo.chat_template import chatml_template
+
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
 
-# ChatML, the same shape Qwen2 and SmolLM2 use, so prompts look alike across our models.
-# It renders content given as a string or as a list of OpenAI text parts, assistant
-# tool calls as <tool_call> blocks, and every role (system/user/assistant/tool) the same way.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
-    "{%- elif message['content'] is iterable -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- if message['tool_calls'] is defined and message['tool_calls'] -%}"
-    "{%- for call in message['tool_calls'] -%}"
-    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
-    "{%- if fn['arguments'] is string -%}{{- fn['arguments'] -}}"
-    "{%- else -%}{{- fn['arguments'] | tojson -}}{%- endif -%}"
-    "{{- '}\\n</tool_call>' -}}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+# ChatML, the same shape Qwen2 and SmolLM2 use, with tools and tool calls (see chat_template).
+CHAT_TEMPLATE = chatml_template()
 
 _WORDS = [
     "the",

@@ -81,7 +81,7 @@ def test_chat_template(tok) -> None:
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n"
         "<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
-        '<|im_start|>assistant\n\n<tool_call>\n{"name": "calculator", "arguments": '
+        '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": '
         '{"expression": "2+3"}}\n</tool_call><|im_end|>\n'
         "<|im_start|>tool\n5<|im_end|>\n"
         "<|im_start|>assistant\nANSWER: 5<|im_end|>\n"
