@@ -9,6 +9,7 @@ result with pydantic so that every mistake is reported as a `ConfigError` naming
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,6 +80,14 @@ class RolloutConfig(_Section):
     kv_cache_space_gb: int = Field(default=1, gt=0, description="vLLM CPU KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
     enforce_eager: bool = Field(default=True, description="skip graph capture/compilation: faster engine start")
     engine_args: list[str] = Field(default=[], description="extra vLLM server arguments")
+    engine_kwargs: dict[str, dict[str, Any]] = Field(
+        default={},
+        description="verl's engine_kwargs: vllm.NAME: VALUE is the server flag --NAME VALUE (true: bare flag)",
+    )
+    tool_call_parser: str | None = Field(
+        default="auto",
+        description="vLLM tool-call parser for agents' tools; auto = hermes when the chat template writes <tool_call> (bundled models), null = off",
+    )
     start_timeout_seconds: float = Field(default=300, gt=0, description="vLLM must serve within this after a (re)start")
     max_engine_restarts: int = Field(
         default=3,
@@ -88,6 +97,17 @@ class RolloutConfig(_Section):
     mode: Literal["async", "sync"] = Field(
         default="async", description="verl's key, accepted: the engine is always vLLM's server (verl's async mode)"
     )
+
+    def vllm_flags(self) -> list[str]:
+        """`engine_args` plus verl's `engine_kwargs.vllm` as flags (false or null: left out)."""
+        flags = list(self.engine_args)
+        for name, value in self.engine_kwargs.get("vllm", {}).items():
+            flag = "--" + name.replace("_", "-")
+            if value is True:
+                flags.append(flag)
+            elif value is not False and value is not None:
+                flags += [flag, value if isinstance(value, str) else json.dumps(value)]
+        return flags
 
 
 class OptimConfig(_Section):

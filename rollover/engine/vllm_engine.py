@@ -10,6 +10,7 @@ leader, see `_SUPERVISOR`) -> vLLM API server -> engine core -> worker.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -109,6 +110,27 @@ sys.exit(code if code >= 0 else 128 - code)
 """
 
 
+def chat_template_of(model_dir: str | Path) -> str:
+    """The chat template a model folder ships (either place transformers keeps it), or ""."""
+    folder = Path(model_dir)
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    try:
+        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError):
+        return ""
+    return template if isinstance(template, str) else ""
+
+
+def resolve_tool_call_parser(setting: str | None, model_dir: str | Path) -> str | None:
+    """`auto`: vLLM's `hermes` parser when the model's template writes `<tool_call>` blocks
+    (the bundled models' and Qwen2.5's do), else none; any other name is vLLM's parser name."""
+    if setting != "auto":
+        return setting
+    return "hermes" if "<tool_call>" in chat_template_of(model_dir) else None
+
+
 class VLLMEngine:
     """vLLM's OpenAI server as a child process, with weight reload and gateway registration.
 
@@ -143,6 +165,7 @@ class VLLMEngine:
         stop_grace_s: float = 5.0,
         enforce_eager: bool = False,
         logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs",
+        tool_call_parser: str | None = "auto",
     ) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -162,6 +185,10 @@ class VLLMEngine:
         # processed: after temperature/top-k/top-p, i.e. the distribution sampled from;
         # use it when sampling at T != 1 and the trainer divides its logits by T.
         self.logprobs_mode = logprobs_mode
+        # Agent frameworks send `tools` and read `tool_calls`: vLLM parses them out of the text.
+        self.tool_call_parser = (
+            None if "--tool-call-parser" in self.extra_args else resolve_tool_call_parser(tool_call_parser, model_dir)
+        )
         self.device = device
         self.gpu_memory_utilization = gpu_memory_utilization
         # Sleep mode is what frees GPU memory for the collocated trainer; vLLM's CPU
@@ -244,6 +271,8 @@ class VLLMEngine:
             args += ["--logprobs-mode", self.logprobs_mode]
         if self.worker_extension:
             args += ["--worker-extension-cls", WORKER_EXTENSION]
+        if self.tool_call_parser is not None:
+            args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         return args + list(self.extra_args)
 
     def _env(self) -> dict[str, str]:

@@ -13,8 +13,7 @@ from __future__ import annotations
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 _TOOLS_INTRO = (
-    "# Tools\\n"
-    "You can call these functions; each is a JSON schema on its own line inside <tools></tools>:\\n<tools>"
+    "# Tools\\nYou can call these functions; each is a JSON schema on its own line inside <tools></tools>:\\n<tools>"
 )
 _TOOLS_OUTRO = (
     "\\n</tools>\\n"

@@ -124,9 +124,22 @@ def cached_smollm2(out_dir: str | Path) -> Path:
     complete or absent: a conversion cut short never leaves a half-written model behind."""
     out = Path(out_dir)
     if (out / "config.json").exists():
+        _upgrade_chat_template(out)
         return out
     staging = out.with_name(f"{out.name}.partial-{os.getpid()}")
     convert_smollm2(staging)
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)
     return out
+
+
+def _upgrade_chat_template(folder: Path) -> None:
+    """A folder converted before the template rendered tools gets today's (same prompts
+    without tools, so what was learned on it still holds)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    template = chatml_template(SMOLLM2_DEFAULT_SYSTEM)
+    if tokenizer.chat_template != template:
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(str(folder))

@@ -19,28 +19,37 @@ from typing import Any
 from rollover.jsonl import jsonl_values
 
 Message = dict[str, Any]
+# A chat to learn from: its messages, or `{"messages": [...], "tools": [...]}` when the
+# transcript calls functions (the template then shows the tools, as at inference).
+Chat = list[Message] | dict[str, Any]
 
 
-def read_chat_jsonl(path: str | Path) -> list[list[Message]]:
-    """Read chats from JSONL: each line is a list of messages or `{"messages": [...]}`."""
-    chats: list[list[Message]] = []
+def read_chat_jsonl(path: str | Path) -> list[Chat]:
+    """Read chats from JSONL: each line is a list of messages or `{"messages": [...]}`
+    (with `"tools": [...]` when its assistant calls functions)."""
+    chats: list[Chat] = []
     for where, row in jsonl_values(path):
         messages = row.get("messages") if isinstance(row, dict) else row
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError(f'{where}: expected a list of messages or {{"messages": [...]}}')
-        chats.append(messages)
+        tools = row.get("tools") if isinstance(row, dict) else None
+        chats.append({"messages": messages, "tools": tools} if tools else messages)
     return chats
 
 
-def _render(tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+def _render(
+    tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool, tools: list[Any] | None = None
+) -> str:
     if not messages:
         return ""
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(
+        list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     return str(text)
 
 
 def tokenize_chat(
-    tokenizer: Any, messages: Sequence[Message], max_length: int | None = None
+    tokenizer: Any, messages: Sequence[Message], max_length: int | None = None, tools: list[Any] | None = None
 ) -> tuple[list[int], list[int]]:
     """Token ids of a rendered chat and a 0/1 mask that is 1 on assistant tokens.
 
@@ -57,8 +66,8 @@ def tokenize_chat(
     for i, msg in enumerate(messages):
         if msg.get("role") != "assistant":
             continue
-        prefix = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        full = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        prefix = _render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+        full = _render(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         if not prefix.startswith(consumed) or not full.startswith(prefix):
             raise ValueError("chat template is not prefix-stable; cannot locate assistant turns")
         reply = full[len(prefix) :]
@@ -81,7 +90,7 @@ def tokenize_chat(
 
 def sft_warmup(
     model_dir: str | Path,
-    examples: list[list[Message]],
+    examples: Sequence[Chat],
     out_dir: str | Path,
     *,
     steps: int = 300,
@@ -135,7 +144,7 @@ def sft_warmup(
 
 def _train(
     model_dir: str | Path,
-    examples: list[list[Message]],
+    examples: Sequence[Chat],
     out_dir: str | Path,
     *,
     steps: int,
@@ -160,7 +169,12 @@ def _train(
     model.to(device)
     model.train()
 
-    data = [tokenize_chat(tokenizer, chat, max_length) for chat in examples]
+    data = [
+        tokenize_chat(tokenizer, chat["messages"], max_length, chat.get("tools"))
+        if isinstance(chat, dict)
+        else tokenize_chat(tokenizer, chat, max_length)
+        for chat in examples
+    ]
     data = [(ids, m) for ids, m in data if sum(m) > 0]
     if not data:
         raise ValueError("no example has an assistant turn to learn from")

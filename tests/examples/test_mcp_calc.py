@@ -1,0 +1,158 @@
+"""The MCP calculator example: an OpenAI Agents SDK agent with an MCP tool server, which
+imports nothing from Rollover, trained through the real system in async mode; and the
+bundled SmolLM2 after its tool-call warm-up, whose calls vLLM parses into `tool_calls`."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from examples.mcp_calc import prepare as mcp_prepare
+from examples.mcp_calc.agent import score
+from rollover.config import load_config
+from rollover.store import RolloutStore
+from rollover.training.data import write_tasks
+from tests.runs import train_briefly
+
+ROOT = Path(__file__).resolve().parents[2]
+MCP_CONFIG = ROOT / "examples" / "mcp_calc" / "config.yaml"
+
+
+def test_agent_imports_nothing_from_rollover():
+    tree = ast.parse((ROOT / "examples" / "mcp_calc" / "agent.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not any(name.split(".")[0] in ("rollover", "examples", "tests") for name in imported), imported
+    env = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and str(n.value).isupper()}
+    assert env <= {"AGL_OPENAI_BASE_URL", "AGL_KEY", "AGL_EVENT_URL", "QUESTION", "ANSWER"}, env
+
+
+def test_score_and_tasks():
+    assert score("That is 84.", "84") == 1.0 and score("84 or 85", "84") == 0.0 and score("", "3") == 0.0
+    [task] = mcp_prepare.make_tasks(1, seed=0)
+    assert str(eval(task["expression"])) == task["answer"]
+    config = load_config(MCP_CONFIG)
+    assert config.agentlightning.async_rollout.enabled and config.agentlightning.local.agent_class.count(":") == 0
+
+
+def test_the_calculator_server_answers_over_mcp():
+    script = (
+        "import asyncio, sys\n"
+        "from agents.mcp import MCPServerStdio\n"
+        "async def main():\n"
+        f"    async with MCPServerStdio(params={{'command': sys.executable, 'args': [{str(ROOT / 'examples/mcp_calc/calc_server.py')!r}]}}) as s:\n"
+        "        print([t.name for t in await s.list_tools()])\n"
+        "        print((await s.call_tool('calculate', {'expression': '(2 + 3) * 4'})).content[0].text)\n"
+        "asyncio.run(main())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[:2] == ["['calculate']", "20"]
+
+
+def _events(store_path: Path, event_type: str) -> list:
+    import asyncio
+
+    store = RolloutStore(store_path)
+
+    async def read() -> list:
+        return [e for r in await store.list_rollouts() for e in await store.list_events(r.rollout_id, event_type)]
+
+    try:
+        return asyncio.run(read())
+    finally:
+        store.close()
+
+
+@pytest.mark.vllm
+def test_mcp_calc_trains_async_through_the_system(tmp_path, calc_model, vllm_engine):
+    """The framework agent end to end on the session's tiny model (it answers in prose; what is
+    checked is the plumbing: tools sent, calls recorded, rewards in, async steps done)."""
+    tasks = mcp_prepare.make_tasks(8, seed=3)
+    write_tasks(tmp_path / "train.jsonl", tasks)
+    train, _ = train_briefly(
+        MCP_CONFIG,
+        tmp_path,
+        calc_model,
+        "mcp-smoke",
+        2,
+        f"data.train_files={tmp_path / 'train.jsonl'}",
+        "data.val_files=null",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=2",
+        "agentlightning.async_rollout.async_train_batch_size=4",
+        "data.max_prompt_length=384",
+        engine=vllm_engine,
+    )
+    for row in train:
+        assert row["training/async/n_completed_rollouts"] == 4
+        assert row["rollouts/n_failed"] == 0 and row["rollouts/n_missing_reward"] == 0
+        assert row["rollouts/n_samples"] >= 4
+    requests = _events(tmp_path / "mcp-smoke" / "store.db", "model_request")
+    assert requests
+    for event in requests:
+        tools = event.data["request"].get("tools") or []
+        assert [t["function"]["name"] for t in tools] == ["calculate"]  # the MCP server's tool, as the SDK sent it
+
+
+@pytest.fixture(scope="session")
+def smollm2_tools_model(tmp_path_factory):
+    """SmolLM2-135M-Instruct after the example's tool-call warm-up (ROLLOVER_TEST_SMOLLM2_TOOLS_MODEL
+    names an already built one)."""
+    if os.environ.get("ROLLOVER_TEST_SMOLLM2_TOOLS_MODEL"):
+        return Path(os.environ["ROLLOVER_TEST_SMOLLM2_TOOLS_MODEL"])
+    cache = tmp_path_factory.mktemp("mcp-calc-cache")
+    return mcp_prepare.smollm2_tools_model(cache / "mcp_calc" / mcp_prepare.MODEL_NAME)
+
+
+@pytest.mark.vllm
+def test_warmed_smollm2_tool_calls_parse(smollm2_tools_model, tmp_path):
+    """The bundled model's calls come back as OpenAI `tool_calls`: the template shows the tools
+    (a long prompt), vLLM runs with the hermes parser (tool_call_parser: auto)."""
+    from rollover.engine.testing import start_test_engine
+
+    engine = start_test_engine(smollm2_tools_model, log_path=tmp_path / "vllm.log", max_model_len=1536)
+    try:
+        assert engine.tool_call_parser == "hermes"
+        schema = {
+            "type": "function",
+            "function": {
+                "name": "calculate",
+                "description": "Evaluate an arithmetic expression.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"expression": {"type": "string"}},
+                    "required": ["expression"],
+                },
+            },
+        }
+        parsed = 0
+        for task in mcp_prepare.make_tasks(8, seed=11):
+            reply = httpx.post(
+                f"{engine.base_url}/chat/completions",
+                json={
+                    "model": "policy",
+                    "messages": [
+                        {"role": "system", "content": mcp_prepare.INSTRUCTIONS},
+                        {"role": "user", "content": task["question"]},
+                    ],
+                    "tools": [schema],
+                    "max_tokens": 64,
+                    "temperature": 0,
+                },
+                timeout=120,
+            ).json()
+            assert reply["usage"]["prompt_tokens"] > 150  # the tools are in the prompt
+            calls = reply["choices"][0]["message"].get("tool_calls") or []
+            if calls and calls[0]["function"]["name"] == "calculate":
+                json.loads(calls[0]["function"]["arguments"])
+                parsed += 1
+        assert parsed >= 6, f"only {parsed}/8 replies were parsed tool calls"
+    finally:
+        engine.stop()
