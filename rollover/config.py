@@ -462,14 +462,17 @@ def _check_both_names(given: dict[str, Any], config: RolloverConfig) -> None:
 
 
 class GatewaySettings(BaseModel):
-    """What one gateway process runs with, handed to it whole: the `gateway` section and the
-    two temperatures the proxy forces (they live under `actor_rollout_ref.rollout`)."""
+    """What one gateway process runs with, handed to it whole: the `gateway` section, the two
+    temperatures the proxy forces (under `actor_rollout_ref.rollout`) and the response cap."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     gateway: GatewayConfig = Field(description="the `gateway` section")
     train_temperature: Temperature = Field(description="actor_rollout_ref.rollout.temperature")
     val_temperature: Temperature = Field(description="actor_rollout_ref.rollout.val_kwargs.temperature")
+    max_response_tokens: int | None = Field(
+        default=None, gt=0, description="data.max_response_length: a call's response is capped here (null = no cap)"
+    )
 
     @classmethod
     def from_config(cls, config: RolloverConfig | None = None, **gateway: Any) -> GatewaySettings:
@@ -481,6 +484,7 @@ class GatewaySettings(BaseModel):
             gateway=config.gateway.model_copy(),
             train_temperature=rollout.temperature,
             val_temperature=rollout.val_kwargs.temperature,
+            max_response_tokens=config.data.max_response_length,
         )
         return settings.with_gateway(**gateway)
 

@@ -316,8 +316,7 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
             raise HTTPException(404, f"rollout {rollout_id} has no attempt {attempt_id}")
         refused = await state.pause.try_enter()
         if refused is not None:
-            paused, retry_after_ms = refused
-            seconds = paused.retry_after_seconds
+            paused, (seconds, retry_after_ms) = refused
             headers = {
                 "Retry-After": str(int(seconds)) if float(seconds).is_integer() else str(seconds),
                 "X-Agl-Paused": "true",

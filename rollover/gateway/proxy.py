@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -17,7 +18,6 @@ from rollover.store.sqlite import RolloutStore
 
 Mode = Literal["train", "val"]
 ENDPOINTS = ("chat/completions", "completions")
-MIN_RETRY_MS = 250  # how often refused agents come back once a pause outlasts its estimate
 RETRY_BACKOFF_SECONDS = 0.5  # first pause between upstream retries; doubles each retry
 
 
@@ -60,14 +60,16 @@ class ProxyPauseState:
             self._expected_end = None if expected_seconds is None else time.monotonic() + expected_seconds
             return self._snapshot()
 
-    def retry_after_ms(self) -> int | None:
-        """The finer hint for a refused call: the time left of the announced pause (at least
-        `MIN_RETRY_MS`), never more than Retry-After; None when no length was announced.
-        A pause that outlasts its estimate hints `MIN_RETRY_MS` until it ends."""
+    def retry_after(self) -> tuple[float, int | None]:
+        """When a refused call should come back: Retry-After in seconds, and `retry-after-ms`
+        (None when no length was announced: the seed's headers only). Never before the pause is
+        expected to end (clients that come back early burn their retries), never sooner than
+        the configured `retry_after_seconds`."""
         if self._expected_end is None:
-            return None
-        left_ms = (self._expected_end - time.monotonic()) * 1000
-        return int(min(max(left_ms, MIN_RETRY_MS), self.retry_after_seconds * 1000))
+            return self.retry_after_seconds, None
+        left = self._expected_end - time.monotonic()
+        seconds = max(self.retry_after_seconds, left)
+        return float(math.ceil(seconds)) if left > self.retry_after_seconds else seconds, math.ceil(seconds * 1000)
 
     async def resume(self) -> ProxyState:
         async with self._lock:
@@ -88,12 +90,12 @@ class ProxyPauseState:
                     pass
             return self._snapshot()
 
-    async def try_enter(self) -> tuple[ProxyState, int | None] | None:
+    async def try_enter(self) -> tuple[ProxyState, tuple[float, int | None]] | None:
         """Count a new call in flight, or return the state that refuses it while paused
-        and the `retry_after_ms` hint."""
+        and when to come back (`retry_after`)."""
         async with self._lock:
             if self.paused:
-                return self._snapshot(), self.retry_after_ms()
+                return self._snapshot(), self.retry_after()
             self.inflight += 1
             return None
 
@@ -131,11 +133,21 @@ class ModelRegistry:
 def prepare_request(
     body: dict[str, Any], endpoint: str, mode: Mode, model: str, settings: GatewaySettings
 ) -> dict[str, Any]:
-    """Force the served model, the mode's temperature, token ids and (train) logprobs."""
+    """Force the served model, the mode's temperature, token ids and (train) logprobs, and cap
+    the response at `max_response_tokens` unless the agent asks for less."""
     upstream = dict(body)
     upstream["model"] = model
     upstream["temperature"] = settings.train_temperature if mode == "train" else settings.val_temperature
     upstream["return_token_ids"] = True
+    cap = settings.max_response_tokens
+    if cap is not None:
+        # verl caps generation at its response length too: a small model left unbounded runs
+        # to the context limit and one update then takes minutes. An agent may ask for less.
+        names = ("max_completion_tokens", "max_tokens") if endpoint == "chat/completions" else ("max_tokens",)
+        asked = [v for v in (body.get(n) for n in names) if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+        upstream["max_tokens"] = min([cap, *asked])
+        if "max_completion_tokens" in upstream:
+            upstream["max_completion_tokens"] = upstream["max_tokens"]
     upstream["stream"] = False
     upstream.pop("stream_options", None)
     if mode == "train":

@@ -173,12 +173,15 @@ def test_a_pause_of_announced_length_hints_the_time_left(gateway, admin, registe
         return response.headers["Retry-After"], int(response.headers["retry-after-ms"])
 
     admin.post("/proxy/pause", json={"reason": "update", "expected_seconds": 1.2})
-    retry_after, left_ms = refused_hint()
-    assert retry_after == "5" and 250 <= left_ms <= 1200  # Retry-After stays the seed's
-    time.sleep(1.3)
-    assert refused_hint() == ("5", 250)  # outlasted its estimate: come back soon
+    assert refused_hint() == ("5", 5000)  # a short pause: the configured Retry-After, not sooner
     admin.post("/proxy/pause", json={"expected_seconds": 60})
-    assert refused_hint() == ("5", 5000)  # never later than Retry-After
+    retry_after, left_ms = refused_hint()
+    assert retry_after in ("59", "60") and 58_000 <= left_ms <= 60_000  # when it is expected to end
+    assert int(retry_after) * 1000 >= left_ms  # Retry-After rounds up, never earlier than the end
+    admin.post("/proxy/pause", json={"expected_seconds": 6, "retry_after_seconds": 2})
+    time.sleep(0.2)
+    retry_after, left_ms = refused_hint()
+    assert retry_after == "6" and 5_000 <= left_ms <= 6_000
     admin.post("/proxy/resume")
     assert admin.post("/proxy/pause", json={"expected_seconds": -1}).status_code == 422
     admin.post("/proxy/resume")
@@ -244,3 +247,23 @@ def test_agent_disconnect_cancels_upstream_call(gateway, admin, registered):
     assert registered.behaviour.cancelled == 1
     assert admin.get("/proxy/state").json()["inflight"] == 0
     assert admin.get(f"/api/rollouts/{rid}/events").json() == []
+
+
+@pytest.mark.parametrize(
+    "endpoint,asked,sent",
+    [
+        ("chat/completions", {}, {"max_tokens": 256}),  # data.max_response_length's default
+        ("chat/completions", {"max_tokens": 10}, {"max_tokens": 10}),  # the agent asks for less
+        ("chat/completions", {"max_tokens": 5000}, {"max_tokens": 256}),
+        ("chat/completions", {"max_completion_tokens": 4000}, {"max_tokens": 256, "max_completion_tokens": 256}),
+        ("chat/completions", {"max_completion_tokens": 12, "max_tokens": 40}, {"max_tokens": 12}),
+        ("completions", {"max_tokens": 900}, {"max_tokens": 256}),
+    ],
+)
+def test_generation_is_capped_at_the_response_length(gateway, admin, registered, endpoint, asked, sent):
+    rid = running_rollout(admin)
+    body = {"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat/completions" else {"prompt": "hi"}
+    response = httpx.post(proxy_url(gateway, rid, endpoint=endpoint), json=body | asked, headers=agent_headers(rid))
+    assert response.status_code == 200
+    upstream = registered.behaviour.requests[-1]
+    assert {key: upstream[key] for key in sent} == sent
