@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 
 class RolloutState(str, Enum):
@@ -62,6 +62,9 @@ class RolloutStatus(_Wire):
     k8s_job_name: str | None = None
     last_attempt_id: str | None = None
     error_message: str | None = None
+    # The rollout's times again: Agent Lightning's clients read them from its status.
+    created_at: float = 0.0
+    updated_at: float = 0.0
 
 
 class StatusPatch(_Wire):
@@ -123,6 +126,20 @@ class Event(_Wire):
     data: Any = None
     created_at: float
 
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def timestamp(self) -> float:
+        """Agent Lightning's name for `created_at`."""
+        return self.created_at
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "timestamp" in data:
+            data = {key: value for key, value in data.items() if key != "timestamp"}
+            data.setdefault("created_at", data.get("timestamp"))
+        return data
+
 
 class Triplet(_Wire):
     event_id: int
@@ -143,6 +160,21 @@ class ModelEndpoint(_Wire):
     model: str = Field(min_length=1)
     endpoint: str = Field(min_length=1, pattern=r"^https?://")
     policy_version: int = Field(0, ge=0)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def version(self) -> int:
+        """Agent Lightning's name for `policy_version` (either is read, both are written)."""
+        return self.policy_version
+
+    @model_validator(mode="before")
+    @classmethod
+    def _agent_lightning_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "version" in data:
+            data = dict(data)
+            version = data.pop("version")
+            data.setdefault("policy_version", version)
+        return data
 
 
 class PauseRequest(_Wire):

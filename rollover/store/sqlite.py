@@ -421,6 +421,8 @@ class RolloutStore:
                 k8s_job_name=row["k8s_job_name"],
                 last_attempt_id=row["last_attempt_id"],
                 error_message=row["error_message"],
+                created_at=row["created_at"],
+                updated_at=row["updated_at"],
             ),
             attempts=attempts,
             created_at=row["created_at"],
