@@ -1,95 +1,466 @@
-"""Proxy overhead: the same stand-in upstream called directly and through the gateway.
+"""What the gateway costs agents: Rollover's gateway (and optionally Agent Lightning's) against
+the same stand-in upstream, called directly and through each gateway, in one run.
 
-Prints latency p50/p99 and throughput for both, and the ratios, measured in one run.
-Usage: python benchmarks/gateway_overhead.py [--requests 2000] [--concurrency 32] [--delay 0.0]
+Figures (the issue's targets in brackets):
+1. added latency p50 per proxied call at concurrency 1, fast upstream   [Rollover <= 0.5 ms]
+2. throughput at concurrency 64 with a 100 ms upstream, x the direct rate [>= 0.85x]
+3. rollout creation in batches of 64 (POST /api/rollouts), rollouts/s      [>= 30k/s]
+4. event posting at concurrency 16 (POST .../events, a reward), events/s    [>= 3k/s]
+
+Every server is its own process (the stand-in `rollover.testing.stub_upstream`, Rollover's
+`GatewayProcess` on a SQLite file, Agent Lightning's `python -m agentlightning.server` run as
+shipped from the Python given with `--agl-python`); the load comes from this process through
+one aiohttp session per figure. Targets are measured in interleaved rounds (direct, Rollover,
+Agent Lightning, again...) so a change in machine load hits all of them alike.
+
+Usage: python benchmarks/gateway_overhead.py [--agl-python /work/cache/agl-venv/bin/python]
+       [--latency-requests 2000] [--throughput-requests 1920] [--rounds 4] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
-import httpx
+import aiohttp
 
-from rollover.gateway.auth import scoped_key
-from rollover.gateway.server import GatewayProcess, free_port, wait_healthy
-from rollover.processes import die_with_parent, kill_group
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from rollover.config import GatewaySettings  # noqa: E402
+from rollover.gateway.auth import scoped_key  # noqa: E402
+from rollover.gateway.server import GatewayProcess, free_port, resolve, wait_healthy  # noqa: E402
+from rollover.processes import die_with_parent, kill_group  # noqa: E402
 
 KEY = "bench-admin"
+MODEL = "policy"
+ATTEMPT = "0"  # Agent Lightning's default attempt id; both gateways accept it
+CHAT = {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 8}
+TARGETS = {"latency_ms": 0.5, "throughput_ratio": 0.85, "rollouts_per_s": 30_000, "events_per_s": 3_000}
 
 
-async def hammer(url: str, headers: dict[str, str], requests: int, concurrency: int) -> tuple[list[float], float]:
-    latencies: list[float] = []
-    body = {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 8}
-    queue = iter(range(requests))
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency)) as client:
-
-        async def worker() -> None:
-            for _ in queue:
-                started = time.perf_counter()
-                response = await client.post(url, json=body, headers=headers)
-                response.raise_for_status()
-                latencies.append(time.perf_counter() - started)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return latencies, time.perf_counter() - started
+@dataclass(frozen=True)
+class Settings:
+    latency_requests: int = 2000  # figure 1, per path
+    throughput_requests: int = 1920  # figure 2, per path
+    throughput_concurrency: int = 64
+    slow_delay: float = 0.1  # figure 2's upstream seconds per call
+    batches: int = 200  # figure 3, batches of `batch_size` per gateway
+    batch_size: int = 64
+    batch_concurrency: int = 4
+    events: int = 6000  # figure 4, per gateway
+    event_concurrency: int = 16
+    rounds: int = 4  # interleaved rounds each figure is split into
+    agl_python: str | None = None  # a Python with agentlightning installed
+    baseline_root: str | None = None  # another Rollover source tree (an older commit) to measure too
 
 
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+@dataclass
+class PathFigures:
+    """One path's figures (direct = the upstream without a gateway)."""
+
+    latency_p50_ms: float | None = None
+    latency_p99_ms: float | None = None
+    cpu_ms_per_call: float | None = None  # of the server (direct: the upstream's), at c=1
+    throughput_rps: float | None = None
+    rollouts_per_s: float | None = None
+    events_per_s: float | None = None
+    cpu_ms_per_event: float | None = None
 
 
-async def main_async(args: argparse.Namespace) -> None:
+@dataclass
+class Report:
+    settings: Settings
+    paths: dict[str, PathFigures] = field(default_factory=dict)
+    load: tuple[float, float] = (0.0, 0.0)
+
+    def added_latency_ms(self, path: str) -> float | None:
+        mine, direct = self.paths[path].latency_p50_ms, self.paths["direct"].latency_p50_ms
+        return None if mine is None or direct is None else mine - direct
+
+    def throughput_ratio(self, path: str) -> float | None:
+        mine, direct = self.paths[path].throughput_rps, self.paths["direct"].throughput_rps
+        return None if not mine or not direct else mine / direct
+
+    def to_json(self) -> dict[str, Any]:
+        gateways = [p for p in self.paths if p != "direct"]
+        return {
+            "settings": asdict(self.settings),
+            "load": self.load,
+            "paths": {name: asdict(figures) for name, figures in self.paths.items()},
+            "added_latency_ms": {p: self.added_latency_ms(p) for p in gateways},
+            "throughput_ratio": {p: self.throughput_ratio(p) for p in gateways},
+        }
+
+
+# -- the servers ---------------------------------------------------------------------------
+
+
+@dataclass
+class Gateway:
+    """How the load reaches one gateway: its URL and who may call what."""
+
+    name: str
+    url: str
+    pid: int  # the server process, whose CPU time is counted
+    admin_headers: dict[str, str]
+    agent_headers: Callable[[str], dict[str, str]]
+    model_body: list[dict[str, Any]]
+
+
+def start_stub(stack: ExitStack) -> tuple[str, int]:
     port = free_port()
     stub = subprocess.Popen(
-        [sys.executable, "-m", "rollover.testing.stub_upstream", "--port", str(port), "--delay", str(args.delay)],
+        [sys.executable, "-m", "rollover.testing.stub_upstream", "--port", str(port)],
         start_new_session=True,
         preexec_fn=die_with_parent,
     )
-    with tempfile.TemporaryDirectory() as tmp, GatewayProcess(store=f"{tmp}/bench.db", admin_key=KEY) as gateway:
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}")
-            admin = {"Authorization": f"Bearer {KEY}"}
-            async with httpx.AsyncClient(base_url=gateway.url, headers=admin) as client:
-                await client.post("/api/models", json=[{"model": "policy", "endpoint": f"http://127.0.0.1:{port}/v1"}])
-                [rollout] = (await client.post("/api/rollouts", json=[{"input": {}}])).json()
-                rid = rollout["rollout_id"]
-                await client.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running"}})
-            direct_url = f"http://127.0.0.1:{port}/v1/chat/completions"
-            proxy_url = f"{gateway.url}/proxy/rollout/{rid}/attempt/a1/mode/train/openai/v1/chat/completions"
-            agent = {"Authorization": f"Bearer {scoped_key(KEY, rid)}"}
-            await hammer(direct_url, {}, 100, args.concurrency)  # warm-up both paths
-            await hammer(proxy_url, agent, 100, args.concurrency)
-            direct, direct_wall = await hammer(direct_url, {}, args.requests, args.concurrency)
-            proxied, proxied_wall = await hammer(proxy_url, agent, args.requests, args.concurrency)
-        finally:
-            kill_group(stub)
-
-    rows = []
-    for name, lat, wall in (("direct", direct, direct_wall), ("gateway", proxied, proxied_wall)):
-        rows.append((name, percentile(lat, 50) * 1e3, percentile(lat, 99) * 1e3, len(lat) / wall))
-    print(f"requests={args.requests} concurrency={args.concurrency} upstream_delay={args.delay}s")
-    print(f"{'path':<8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
-    for name, p50, p99, rps in rows:
-        print(f"{name:<8} {p50:8.2f} {p99:8.2f} {rps:8.0f}")
-    (_, d50, d99, drps), (_, g50, g99, grps) = rows
-    print(f"ratio gateway/direct: p50 x{g50 / d50:.2f}  p99 x{g99 / d99:.2f}  throughput x{grps / drps:.2f}")
-    print(f"added latency per call: p50 +{g50 - d50:.2f} ms")
+    stack.callback(kill_group, stub)
+    wait_healthy(f"http://127.0.0.1:{port}")
+    return f"http://127.0.0.1:{port}/v1", stub.pid
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--delay", type=float, default=0.0, help="stub upstream latency per call (s)")
-    asyncio.run(main_async(parser.parse_args()))
+def start_rollover(stack: ExitStack, upstream: str, folder: str) -> Gateway:
+    gateway = stack.enter_context(GatewayProcess(store=f"{folder}/bench.db", admin_key=KEY))
+    assert gateway.process is not None
+    return Gateway(
+        name="rollover",
+        url=gateway.url,
+        pid=gateway.process.pid,
+        admin_headers={"Authorization": f"Bearer {KEY}"},
+        agent_headers=lambda rid: {"Authorization": f"Bearer {scoped_key(KEY, rid)}"},
+        model_body=[{"model": MODEL, "endpoint": upstream}],
+    )
+
+
+def start_baseline(stack: ExitStack, root: str, upstream: str, folder: str) -> Gateway:
+    """Rollover's gateway from another source tree, with the settings this tree would give it."""
+    settings = resolve(GatewaySettings.from_config(store=f"{folder}/baseline.db", admin_key=KEY))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rollover.cli.main", "gateway", "--settings", settings.model_dump_json()],
+        env=os.environ | {"PYTHONPATH": root},
+        cwd=root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
+    stack.callback(kill_group, process)
+    url = f"http://{settings.gateway.host}:{settings.gateway.port}"
+    wait_healthy(url, timeout=60, process=process)
+    return Gateway(
+        name="baseline",
+        url=url,
+        pid=process.pid,
+        admin_headers={"Authorization": f"Bearer {KEY}"},
+        agent_headers=lambda rid: {"Authorization": f"Bearer {scoped_key(KEY, rid)}"},
+        model_body=[{"model": MODEL, "endpoint": upstream}],
+    )
+
+
+def start_agent_lightning(stack: ExitStack, python: str, upstream: str, folder: str) -> Gateway:
+    """Agent Lightning's gateway/store server, started as its own documentation says."""
+    port = free_port()
+    overrides = [f"port={port}", "host=127.0.0.1", f"key={KEY}", f"default_proxy.model_name={MODEL}"]
+    hydra = [f"hydra.run.dir={folder}/agl", "hydra.output_subdir=null"]
+    process = subprocess.Popen(
+        [python, "-m", "agentlightning.server", *overrides, *hydra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+        cwd=folder,
+    )
+    stack.callback(kill_group, process)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, timeout=120)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    return Gateway(
+        name="agent-lightning",
+        url=url,
+        pid=process.pid,
+        admin_headers=headers,
+        agent_headers=lambda rid: headers,
+        model_body=[{"model": MODEL, "endpoint": upstream}],
+    )
+
+
+async def running_rollouts(session: aiohttp.ClientSession, gateway: Gateway, count: int) -> list[str]:
+    body = [{"input": {"i": i}} for i in range(count)]
+    async with session.post(f"{gateway.url}/api/rollouts", json=body, headers=gateway.admin_headers) as response:
+        assert response.status == 201, await response.text()
+        ids = [r["rollout_id"] for r in await response.json()]
+    claim = {"status": {"state": "running", "last_attempt_id": ATTEMPT}}
+    for rid in ids:
+        async with session.patch(f"{gateway.url}/api/rollouts/{rid}", json=claim, headers=gateway.admin_headers) as r:
+            assert r.status == 200, await r.text()
+    return ids
+
+
+# -- the load ------------------------------------------------------------------------------
+
+Request = tuple[str, bytes, dict[str, str]]  # url, body, headers
+Call = Callable[[int], Request]  # request number -> what to send
+
+
+def cycling(requests: list[Request]) -> Call:
+    return lambda n: requests[n % len(requests)]
+
+
+async def hammer(
+    session: aiohttp.ClientSession, call: Call, requests: int, concurrency: int
+) -> tuple[list[float], float]:
+    """`requests` POSTs from `concurrency` workers; each call's latency and the wall time."""
+    latencies: list[float] = []
+    numbers = iter(range(requests))
+
+    async def worker() -> None:
+        for n in numbers:
+            url, body, headers = call(n)
+            started = time.perf_counter()
+            async with session.post(url, data=body, headers=headers) as response:
+                await response.read()
+                if response.status >= 300:
+                    raise RuntimeError(f"{url} answered {response.status}: {await response.text()}")
+            latencies.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies, time.perf_counter() - started
+
+
+def json_headers(headers: dict[str, str]) -> dict[str, str]:
+    return headers | {"Content-Type": "application/json"}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Measured:
+    latencies: list[float] = field(default_factory=list)
+    wall: float = 0.0
+    cpu: float = 0.0  # seconds of the server process
+
+    def cpu_ms_per_call(self) -> float:
+        return self.cpu / len(self.latencies) * 1e3
+
+
+Run = Callable[[int], Awaitable[tuple[list[float], float]]]  # requests -> latencies, wall time
+
+
+async def interleaved(runs: dict[str, tuple[Run, int]], total: int, rounds: int) -> dict[str, Measured]:
+    """Each run (with the pid of the server it loads) `rounds` times in turn, `total / rounds`
+    requests each; latencies, wall and CPU time summed."""
+    results = {name: Measured() for name in runs}
+    per_round = max(1, total // rounds)
+    for _ in range(rounds):
+        for name, (run, pid) in runs.items():
+            cpu_before = cpu_seconds(pid)
+            latencies, wall = await run(per_round)
+            measured = results[name]
+            measured.latencies += latencies
+            measured.wall += wall
+            measured.cpu += cpu_seconds(pid) - cpu_before
+    return results
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+async def measure(settings: Settings, upstream: str, stub_pid: int, gateways: list[Gateway]) -> dict[str, PathFigures]:
+    figures = {"direct": PathFigures()} | {g.name: PathFigures() for g in gateways}
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        agents: dict[str, list[str]] = {}
+        for gateway in gateways:
+            async with session.post(
+                f"{gateway.url}/api/models", json=gateway.model_body, headers=gateway.admin_headers
+            ) as response:
+                assert response.status == 201, await response.text()
+            agents[gateway.name] = await running_rollouts(session, gateway, settings.throughput_concurrency)
+
+        def chat_calls(delay: float) -> dict[str, Call]:
+            body = json.dumps(CHAT | {"metadata": {"stub_delay": delay}}).encode()
+            direct = (f"{upstream}/chat/completions", body, json_headers({}))
+            calls: dict[str, Call] = {"direct": cycling([direct])}
+            for gateway in gateways:
+                ids = agents[gateway.name]
+                urls = [
+                    (f"{gateway.url}/proxy/rollout/{rid}/attempt/{ATTEMPT}/mode/train/openai/v1/chat/completions", rid)
+                    for rid in ids
+                ]
+                prepared = [(url, body, json_headers(gateway.agent_headers(rid))) for url, rid in urls]
+                calls[gateway.name] = cycling(prepared)
+            return calls
+
+        pids = {"direct": stub_pid} | {g.name: g.pid for g in gateways}
+
+        def runs(calls: dict[str, Call], concurrency: int) -> dict[str, tuple[Run, int]]:
+            def run(call: Call) -> Run:
+                return lambda requests: hammer(session, call, requests, concurrency)
+
+            return {name: (run(call), pids[name]) for name, call in calls.items()}
+
+        # 1. latency at concurrency 1, fast upstream (after a warm-up of every path)
+        fast = chat_calls(0.0)
+        for call in fast.values():
+            await hammer(session, call, 200, 4)
+        results = await interleaved(runs(fast, 1), settings.latency_requests, settings.rounds)
+        for name, measured in results.items():
+            figures[name].latency_p50_ms = percentile(measured.latencies, 50) * 1e3
+            figures[name].latency_p99_ms = percentile(measured.latencies, 99) * 1e3
+            figures[name].cpu_ms_per_call = measured.cpu_ms_per_call()
+
+        # 2. throughput at concurrency 64, slow upstream
+        slow = chat_calls(settings.slow_delay)
+        results = await interleaved(
+            runs(slow, settings.throughput_concurrency), settings.throughput_requests, settings.rounds
+        )
+        for name, measured in results.items():
+            figures[name].throughput_rps = len(measured.latencies) / measured.wall
+
+        # 3. rollout creation in batches
+        batch = json.dumps([{"input": {"question": f"q{i}"}, "metadata": {"i": i}} for i in range(settings.batch_size)])
+        creations: dict[str, Call] = {}
+        for gateway in gateways:
+            entry = (f"{gateway.url}/api/rollouts", batch.encode(), json_headers(gateway.admin_headers))
+            creations[gateway.name] = cycling([entry])
+        results = await interleaved(runs(creations, settings.batch_concurrency), settings.batches, settings.rounds)
+        for name, measured in results.items():
+            figures[name].rollouts_per_s = len(measured.latencies) * settings.batch_size / measured.wall
+
+        # 4. event posting, one rollout per worker (an agent reporting as it goes)
+        postings: dict[str, Call] = {}
+        for gateway in gateways:
+            ids = agents[gateway.name][: settings.event_concurrency]
+            event = json.dumps({"event_type": "reward", "data": {"value": 1.0}}).encode()
+            prepared = [
+                (
+                    f"{gateway.url}/api/rollouts/{rid}/attempt/{ATTEMPT}/events",
+                    event,
+                    json_headers(gateway.agent_headers(rid)),
+                )
+                for rid in ids
+            ]
+            postings[gateway.name] = cycling(prepared)
+        results = await interleaved(runs(postings, settings.event_concurrency), settings.events, settings.rounds)
+        for name, measured in results.items():
+            figures[name].events_per_s = len(measured.latencies) / measured.wall
+            figures[name].cpu_ms_per_event = measured.cpu_ms_per_call()
+    return figures
+
+
+def run_benchmark(settings: Settings) -> Report:
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as folder, ExitStack() as stack:
+        upstream, stub_pid = start_stub(stack)
+        gateways = [start_rollover(stack, upstream, folder)]
+        if settings.baseline_root:
+            gateways.append(start_baseline(stack, settings.baseline_root, upstream, folder))
+        if settings.agl_python:
+            gateways.append(start_agent_lightning(stack, settings.agl_python, upstream, folder))
+        paths = asyncio.run(measure(settings, upstream, stub_pid, gateways))
+    return Report(settings=settings, paths=paths, load=(load_before, os.getloadavg()[0]))
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_report(report: Report) -> str:
+    s = report.settings
+    names = list(report.paths)
+    gateways = [n for n in names if n != "direct"]
+    width = 17
+    lines = [
+        f"1-minute load average {report.load[0]:.1f} before, {report.load[1]:.1f} after; {s.rounds} interleaved rounds",
+        f"{'figure':<44}" + "".join(f"{n:>{width}}" for n in names) + f"{'target':>{width}}",
+    ]
+
+    def row(label: str, values: list[str], target: str) -> None:
+        lines.append(f"{label:<44}" + "".join(f"{v:>{width}}" for v in values) + f"{target:>{width}}")
+
+    p = report.paths
+    row("latency p50 ms, c=1, fast upstream", [_fmt(p[n].latency_p50_ms, ".2f") for n in names], "")
+    row("latency p99 ms, c=1, fast upstream", [_fmt(p[n].latency_p99_ms, ".2f") for n in names], "")
+    row("server CPU ms per call, c=1", [_fmt(p[n].cpu_ms_per_call, ".2f") for n in names], "")
+    row(
+        "added latency p50 ms, c=1",
+        [""] + [_fmt(report.added_latency_ms(n), "+.2f") for n in gateways],
+        f"<= {TARGETS['latency_ms']}",
+    )
+    row(
+        f"req/s, c={s.throughput_concurrency}, {s.slow_delay * 1e3:.0f} ms upstream",
+        [_fmt(p[n].throughput_rps, ".0f") for n in names],
+        "",
+    )
+    row(
+        "  x the direct rate",
+        [""] + [_fmt(report.throughput_ratio(n), ".2f") for n in gateways],
+        f">= {TARGETS['throughput_ratio']}",
+    )
+    row(
+        f"rollouts/s, batches of {s.batch_size}, c={s.batch_concurrency}",
+        [""] + [_fmt(p[n].rollouts_per_s, ".0f") for n in gateways],
+        f">= {TARGETS['rollouts_per_s']}",
+    )
+    row(
+        f"events/s, c={s.event_concurrency}",
+        [""] + [_fmt(p[n].events_per_s, ".0f") for n in gateways],
+        f">= {TARGETS['events_per_s']}",
+    )
+    row("  server CPU ms per event", [""] + [_fmt(p[n].cpu_ms_per_event, ".3f") for n in gateways], "")
+    if "agent-lightning" in p:
+        ours, theirs = p["rollover"], p["agent-lightning"]
+        ratios = [
+            f"added latency x{(report.added_latency_ms('rollover') or 0) / (report.added_latency_ms('agent-lightning') or 1):.2f}",
+            f"throughput x{(report.throughput_ratio('rollover') or 0) / (report.throughput_ratio('agent-lightning') or 1):.2f}",
+            f"rollouts/s x{(ours.rollouts_per_s or 0) / (theirs.rollouts_per_s or 1):.2f}",
+            f"events/s x{(ours.events_per_s or 0) / (theirs.events_per_s or 1):.2f}",
+        ]
+        lines.append("rollover / agent-lightning: " + ", ".join(ratios))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = Settings()
+    for name, value in asdict(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        if name == "agl_python":
+            parser.add_argument(flag, default=None, help="a Python with agentlightning installed, to compare")
+        elif name == "baseline_root":
+            parser.add_argument(flag, default=None, help="a Rollover source tree (another commit) to compare")
+        else:
+            parser.add_argument(flag, type=type(value), default=value)
+    parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    args = vars(parser.parse_args(argv))
+    as_json = args.pop("json")
+    report = run_benchmark(Settings(**args))
+    print(format_report(report))
+    if as_json:
+        print(json.dumps(report.to_json()))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rollover import codec
 from rollover.config import GatewaySettings
 from rollover.gateway import auth
 from rollover.gateway.proxy import (
@@ -26,9 +26,11 @@ from rollover.gateway.proxy import (
     sse_from_response,
 )
 from rollover.store.models import (
+    Event,
     EventCreate,
     ModelEndpoint,
     PauseRequest,
+    Rollout,
     RolloutCreate,
     RolloutState,
     StatusPatch,
@@ -135,8 +137,8 @@ async def _json_body(request: Request) -> Any:
     """The body as JSON whatever the Content-Type says (agents and curl are not always careful)."""
     raw = await request.body()
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        return codec.loads(raw)
+    except codec.JSONCodecError as exc:
         raise HTTPException(400, f"body is not valid JSON: {exc}") from None
 
 
@@ -161,6 +163,13 @@ _STATUS_PATCH = TypeAdapter(StatusPatch)
 _EVENT = TypeAdapter(EventCreate)
 _MODELS = TypeAdapter(list[ModelEndpoint] | ModelEndpoint)
 _PAUSE = TypeAdapter(PauseRequest)
+_ROLLOUT_LIST = TypeAdapter(list[Rollout])
+_EVENT_LIST = TypeAdapter(list[Event])
+
+
+def _json(content: bytes | str, status_code: int = 200) -> Response:
+    """A JSON body already encoded (by pydantic or `codec`), sent without FastAPI re-encoding it."""
+    return Response(content, status_code=status_code, media_type="application/json")
 
 
 def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: bool = False) -> FastAPI:
@@ -198,11 +207,11 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
     # -- store ----------------------------------------------------------------------------
 
     @app.post("/api/rollouts", status_code=201)
-    async def create_rollouts(request: Request) -> list[dict[str, Any]]:
+    async def create_rollouts(request: Request) -> Response:
         _require_admin(request)
         body = await _parse(request, _ROLLOUTS)
         items = body if isinstance(body, list) else [body]
-        return [r.model_dump(mode="json") for r in await store.add_rollouts(items)]
+        return _json(_ROLLOUT_LIST.dump_json(await store.add_rollouts(items)), 201)
 
     @app.get("/api/rollouts")
     async def list_rollouts(
@@ -210,21 +219,21 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         state_in: list[RolloutState] | None = Query(None),
         rollout_id: list[str] | None = Query(None),
         limit: int | None = Query(None, ge=1, le=100000),
-    ) -> list[dict[str, Any]]:
+    ) -> Response:
         _require_admin(request)
         rollouts = await store.list_rollouts(state_in=state_in, rollout_ids=rollout_id, limit=limit)
-        return [r.model_dump(mode="json") for r in rollouts]
+        return _json(_ROLLOUT_LIST.dump_json(rollouts))
 
     @app.get("/api/rollouts/{rollout_id}")
-    async def get_rollout(request: Request, rollout_id: str) -> dict[str, Any]:
+    async def get_rollout(request: Request, rollout_id: str) -> Response:
         _require_rollout_access(request, rollout_id)
-        return (await store.get_rollout(rollout_id)).model_dump(mode="json")
+        return _json((await store.get_rollout(rollout_id)).model_dump_json())
 
     @app.patch("/api/rollouts/{rollout_id}")
-    async def patch_rollout(request: Request, rollout_id: str) -> dict[str, Any]:
+    async def patch_rollout(request: Request, rollout_id: str) -> Response:
         _require_admin(request)
         body = await _parse(request, _STATUS_PATCH)
-        return (await store.update_status(rollout_id, body.status)).model_dump(mode="json")
+        return _json((await store.update_status(rollout_id, body.status)).model_dump_json())
 
     @app.delete("/api/rollouts/{rollout_id}")
     async def delete_rollout(request: Request, rollout_id: str) -> dict[str, Any]:
@@ -233,10 +242,10 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         return {"deleted": rollout_id}
 
     @app.post("/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", status_code=201)
-    async def add_event(request: Request, rollout_id: str, attempt_id: str) -> dict[str, Any]:
+    async def add_event(request: Request, rollout_id: str, attempt_id: str) -> Response:
         _require_rollout_access(request, rollout_id)
         body = await _parse(request, _EVENT)
-        return (await store.add_event(rollout_id, attempt_id, body)).model_dump(mode="json")
+        return _json((await store.add_event(rollout_id, attempt_id, body)).model_dump_json(), 201)
 
     @app.get("/api/rollouts/{rollout_id}/events")
     async def list_events(
@@ -245,12 +254,12 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         event_type: str | None = None,
         attempt_id: str | None = None,
         format: Literal["raw", "triplet"] = "raw",
-    ) -> Any:
+    ) -> Response:
         _require_rollout_access(request, rollout_id)
         if format == "triplet":
-            return (await store.triplets(rollout_id, attempt_id)).model_dump(mode="json")
+            return _json((await store.triplets(rollout_id, attempt_id)).model_dump_json())
         events = await store.list_events(rollout_id, event_type=event_type or None, attempt_id=attempt_id)
-        return [e.model_dump(mode="json") for e in events]
+        return _json(_EVENT_LIST.dump_json(events))
 
     # -- models ---------------------------------------------------------------------------
 
@@ -309,10 +318,10 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         if endpoint not in ENDPOINTS:
             raise HTTPException(404, f"the proxy serves {', '.join(ENDPOINTS)}, not {endpoint!r}")
         body = await _json_object(request)
-        rollout = await store.get_rollout(rollout_id)
+        rollout = store.snapshot(rollout_id)  # in memory: no round trip to the store thread
         if rollout.state.terminal:
             raise HTTPException(409, f"rollout {rollout_id} is already {rollout.state.value}")
-        if not any(a.attempt_id == attempt_id for a in rollout.attempts):
+        if attempt_id not in rollout.attempts:
             raise HTTPException(404, f"rollout {rollout_id} has no attempt {attempt_id}")
         refused = await state.pause.try_enter()
         if refused is not None:
@@ -325,7 +334,7 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
                 headers["retry-after-ms"] = str(retry_after_ms)
             return JSONResponse({"error": "gateway paused", "reason": paused.reason}, status_code=429, headers=headers)
         try:
-            status_code, data = await _forward_unless_disconnected(
+            status_code, raw, data = await _forward_unless_disconnected(
                 request, state, rollout_id, attempt_id, mode, endpoint, body
             )
         except UpstreamError as exc:
@@ -334,7 +343,7 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
             await state.pause.leave()
         if body.get("stream") and status_code == 200:
             return Response(sse_from_response(endpoint, data), media_type="text/event-stream")
-        return JSONResponse(data, status_code=status_code)
+        return _json(raw, status_code)
 
     return app
 
@@ -347,7 +356,7 @@ async def _forward_unless_disconnected(
     mode: Literal["train", "val"],
     endpoint: str,
     body: dict[str, Any],
-) -> tuple[int, dict[str, Any]]:
+) -> tuple[int, bytes, dict[str, Any]]:
     """Forward the call; if the agent hangs up first, cancel it so the engine stops generating."""
     task = asyncio.create_task(state.forwarder.forward(rollout_id, attempt_id, mode, endpoint, body))
     while True:

@@ -1,24 +1,33 @@
 """The durable rollout store: rollouts, attempts and events in one SQLite file (WAL).
 
-Every write commits before the call returns, so whatever the gateway acknowledged survives
-a SIGKILL of the process (WAL with synchronous=NORMAL is durable against process crashes;
-use `synchronous="FULL"` to survive power loss too). All access goes through one worker
-thread, which serialises writers without blocking the event loop.
+Every write is committed before its call returns, so whatever the gateway acknowledged
+survives a SIGKILL of the process (WAL with synchronous=NORMAL is durable against process
+crashes; use `synchronous="FULL"` to survive power loss too). Writes are committed on the
+event loop, in groups: all those made while the loop was busy go into one transaction (group
+commit), and each caller is answered once that transaction is committed, never before. Reads
+go to a thread with a connection of their own; checkpoints to another thread.
+
+The gateway is the file's only writer, so the store keeps each rollout's state and attempt
+ids in memory (`snapshot`): the proxy checks a call against them without reading the file.
+Every other read goes to the file, which stays a plain WAL database that other processes may
+read while the gateway runs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import sqlite3
+import threading
 import time
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
+from rollover import codec
 from rollover.store.models import (
     LEGAL_TRANSITIONS,
     Attempt,
@@ -74,6 +83,17 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_rollout ON events(rollout_id, event_id);
 """
 
+MAX_GROUP = 512  # writes committed together at most (bounds one transaction's time)
+CHECKPOINT_EVERY_COMMITS = 200  # ...or every second, whichever comes first
+CHECKPOINT_EVERY_SECONDS = 1.0
+_INSERT_ROLLOUT = (
+    "INSERT INTO rollouts (rollout_id, input, is_train, config, metadata, state, created_at, updated_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_INSERT_EVENT = "INSERT INTO events (rollout_id, attempt_id, event_type, data, created_at) VALUES (?, ?, ?, ?, ?)"
+_DEFAULT_CONFIG_JSON = RolloutConfig.model_validate({}).model_dump_json()
+_QUEUING = RolloutStatus(state=RolloutState.QUEUING)  # shared: models are not mutated once made
+
 
 class StoreError(Exception):
     status_code = 400
@@ -91,6 +111,107 @@ class IllegalTransition(StoreError):
     status_code = 409
 
 
+class InvalidValue(StoreError):
+    """A value that cannot be stored as standard JSON (see `rollover.codec`)."""
+
+    status_code = 422
+
+
+@dataclass(frozen=True)
+class RolloutSnapshot:
+    """What the store keeps in memory of a rollout: enough to check a call or a transition."""
+
+    state: RolloutState
+    attempts: tuple[str, ...] = ()  # attempt ids, oldest first
+    last_attempt_id: str | None = None
+
+
+@dataclass
+class _Write(Generic[T]):
+    """One write waiting for the next group commit, and where its result goes."""
+
+    fn: Callable[[sqlite3.Connection], T]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[T]
+    outcome: tuple[bool, Any] = (False, None)
+
+    def settle(self, current: asyncio.AbstractEventLoop | None) -> None:
+        if self.loop is current:
+            self._deliver()
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # that loop is closed: nobody is waiting any more
+            pass
+
+    def _deliver(self) -> None:
+        if self.future.done():  # the caller was cancelled; the write still happened
+            return
+        ok, value = self.outcome
+        if ok:
+            self.future.set_result(value)
+        else:
+            self.future.set_exception(value)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _encode(value: Any, what: str) -> str:
+    try:
+        return codec.dumps_str(value)
+    except codec.JSONCodecError as exc:
+        raise InvalidValue(f"{what} cannot be stored as JSON: {exc}") from None
+
+
+def _connect(path: str, synchronous: str, *, uri: bool = False) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, uri=uri, check_same_thread=False, isolation_level=None)
+    conn.row_factory = sqlite3.Row
+    conn.execute(f"PRAGMA synchronous={synchronous}")
+    conn.execute("PRAGMA busy_timeout=5000")
+    return conn
+
+
+class _Checkpointer:
+    """Copies the WAL into the database file on a thread of its own, so the fsyncs this takes
+    never stall the event loop (the writer's automatic checkpoints are off)."""
+
+    def __init__(self, path: str, synchronous: str) -> None:
+        self._conn = _connect(path, synchronous)
+        self._wake = threading.Event()
+        self._stopping = False
+        self.commits = 0  # counted by the writer
+        self._thread = threading.Thread(target=self._run, name="rollover-store-checkpoint", daemon=True)
+        self._thread.start()
+
+    def committed(self) -> None:
+        self.commits += 1
+        if self.commits % CHECKPOINT_EVERY_COMMITS == 0:
+            self._wake.set()
+
+    def _run(self) -> None:
+        done = 0
+        while not self._stopping:
+            self._wake.wait(CHECKPOINT_EVERY_SECONDS)
+            self._wake.clear()
+            if self.commits != done:
+                done = self.commits
+                try:
+                    self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                except sqlite3.Error:  # busy or failing: the next round tries again
+                    pass
+
+    def close(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+        self._conn.close()
+
+
 class RolloutStore:
     """SQLite-backed store; `path=":memory:"` keeps everything in memory (tests, demos).
 
@@ -101,85 +222,180 @@ class RolloutStore:
     def __init__(self, path: str | Path = ":memory:", *, synchronous: str = "NORMAL", read_only: bool = False) -> None:
         self.path = str(path)
         self.read_only = read_only
-        if read_only and (self.path == ":memory:" or not Path(self.path).is_file()):
+        in_memory = self.path == ":memory:"
+        if read_only and (in_memory or not Path(self.path).is_file()):
             raise StoreError(f"read-only store {self.path} does not exist")
-        if self.path != ":memory:" and not read_only:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollover-store")
-        connect = self._connect_read_only if read_only else self._connect
-        self._conn = self._executor.submit(connect, synchronous).result()
+        if read_only:
+            uri = f"file:{urllib.parse.quote(str(Path(self.path).resolve()))}?mode=ro"
+            self._conn = _connect(uri, synchronous, uri=True)
+        else:
+            if not in_memory:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            uri = self.path
+            self._conn = _connect(uri, synchronous)
+            if not in_memory:
+                self._conn.execute("PRAGMA journal_mode=WAL")
+                self._conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer's job
+            self._conn.executescript(_SCHEMA)
+        self._snapshots = self._load_snapshots(self._conn)
+        self._pending: list[_Write[Any]] = []
+        self._flush_loop: asyncio.AbstractEventLoop | None = None  # where a flush is scheduled
+        self._lock = threading.Lock()  # the store is meant for one event loop; this makes two safe
+        self._closed = False
+        # A file has a reader thread with its own connection (WAL readers never wait for the
+        # writer), and a checkpointer; in memory there is one connection, used on the loop.
+        self._reader: ThreadPoolExecutor | None = None
+        self._checkpointer: _Checkpointer | None = None
+        if not in_memory:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollover-store-read")
+            self._read_conn = _connect(uri, synchronous, uri=read_only)
+        if not in_memory and not read_only:
+            self._checkpointer = _Checkpointer(self.path, synchronous)
 
-    def _connect_read_only(self, synchronous: str) -> sqlite3.Connection:
-        uri = f"file:{urllib.parse.quote(str(Path(self.path).resolve()))}?mode=ro"
-        conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
-        conn.row_factory = sqlite3.Row
-        conn.execute("PRAGMA busy_timeout=5000")
-        return conn
-
-    def _connect(self, synchronous: str) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        conn.row_factory = sqlite3.Row
-        if self.path != ":memory:":
-            conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute(f"PRAGMA synchronous={synchronous}")
-        conn.execute("PRAGMA busy_timeout=5000")
-        conn.executescript(_SCHEMA)
-        return conn
-
-    async def _run(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
-
-    def _transaction(self, fn: Callable[[sqlite3.Connection], T]) -> Callable[[], T]:
-        def run() -> T:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                result = fn(self._conn)
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
-            return result
-
-        return run
+    @staticmethod
+    def _load_snapshots(conn: sqlite3.Connection) -> dict[str, RolloutSnapshot]:
+        attempts: dict[str, list[str]] = {}
+        for rollout_id, attempt_id in conn.execute("SELECT rollout_id, attempt_id FROM attempts ORDER BY started_at"):
+            attempts.setdefault(rollout_id, []).append(attempt_id)
+        return {
+            rollout_id: RolloutSnapshot(RolloutState(state), tuple(attempts.get(rollout_id, ())), last_attempt_id)
+            for rollout_id, state, last_attempt_id in conn.execute(
+                "SELECT rollout_id, state, last_attempt_id FROM rollouts"
+            )
+        }
 
     def close(self) -> None:
+        """Commits what is pending, then closes the file."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        while self._pending:
+            self._flush()
+        if self._reader is not None:
+            self._reader.submit(self._read_conn.close).result()
+            self._reader.shutdown()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+        self._conn.close()  # the last connection out checkpoints the WAL
+
+    # -- writing: group commit on the event loop ------------------------------------------
+
+    async def _write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Runs `fn` in the next group commit and returns once that commit is done."""
+        loop = asyncio.get_running_loop()
+        write = _Write(fn=fn, loop=loop, future=loop.create_future())
+        with self._lock:
+            if self._closed:
+                raise StoreError("the store is closed")
+            self._pending.append(write)
+            if self._flush_loop is not loop:
+                self._flush_loop = loop
+                loop.call_soon(self._flush)
+        return await write.future
+
+    def _flush(self) -> None:
+        """Commits everything written since the last flush as one transaction, then answers.
+
+        It runs on the event loop: with synchronous=NORMAL a WAL commit is a write() to the
+        page cache, cheaper than handing the work to a thread and back (measured: 52 vs 181 µs
+        per event alone, 16k vs 3.8k events/s at 16 concurrent, where the thread waited for the
+        GIL). synchronous=FULL adds an fsync per group commit here."""
+        current = _running_loop()
+        with self._lock:
+            batch, self._pending = self._pending[:MAX_GROUP], self._pending[MAX_GROUP:]
+            self._flush_loop = None
+            if self._pending and current is not None:  # more than a group's worth: the rest next
+                self._flush_loop = current
+                current.call_soon(self._flush)
+            if batch:
+                self._commit_group(batch)
+        for write in batch:
+            write.settle(current)
+
+    def _commit_group(self, writes: list[_Write[Any]]) -> None:
+        """All `writes` in one transaction. A write refuses (a `StoreError`: an illegal
+        transition, an unknown attempt) before it touches the file, so a refusal leaves the
+        others; any other failure may have left a write half done, and then none of the group
+        is kept and the in-memory snapshots are reloaded from the file. A write changes the
+        snapshots only after its SQL succeeded."""
+        conn = self._conn
         try:
-            self._executor.submit(self._conn.close).result()
-        finally:
-            self._executor.shutdown(wait=True)
+            conn.execute("BEGIN IMMEDIATE")
+            for write in writes:
+                try:
+                    write.outcome = (True, write.fn(conn))
+                except StoreError as exc:
+                    write.outcome = (False, exc)
+            conn.execute("COMMIT")
+        except Exception as exc:
+            for write in writes:
+                write.outcome = (False, exc)
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            self._snapshots = self._load_snapshots(conn)
+            return
+        if self._checkpointer is not None:
+            self._checkpointer.committed()
+
+    # -- reading --------------------------------------------------------------------------
+
+    async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        if self._closed:
+            raise StoreError("the store is closed")
+        if self._reader is None:
+            return fn(self._conn)
+        return await asyncio.get_running_loop().run_in_executor(self._reader, fn, self._read_conn)
+
+    # -- in memory ------------------------------------------------------------------------
+
+    def snapshot(self, rollout_id: str) -> RolloutSnapshot:
+        """The rollout's state and attempt ids as last committed, without touching the file."""
+        found = self._snapshots.get(rollout_id)
+        if found is None:
+            raise RolloutNotFound(f"rollout {rollout_id} not found")
+        return found
 
     # -- rollouts -------------------------------------------------------------------------
 
     async def add_rollouts(self, items: Iterable[RolloutCreate]) -> list[Rollout]:
-        items = list(items)
+        now = time.time()
+        prepared = []
+        for item in items:
+            config = item.config.model_dump_json() if item.config.model_fields_set else _DEFAULT_CONFIG_JSON
+            row = (
+                item.rollout_id or f"r-{uuid.uuid4().hex}",
+                _encode(item.input, "input"),
+                int(item.is_train),
+                config,
+                _encode(item.metadata, "metadata"),
+                RolloutState.QUEUING.value,
+                now,
+                now,
+            )
+            prepared.append((item, row))
 
         def add(conn: sqlite3.Connection) -> list[Rollout]:
-            now = time.time()
-            ids = []
-            for item in items:
-                rollout_id = item.rollout_id or f"r-{uuid.uuid4().hex}"
+            created: dict[str, Rollout] = {}
+            result = []
+            for item, row in prepared:
+                rollout_id = row[0]
                 # A caller-chosen id makes the POST idempotent: an existing rollout is kept as is.
-                conn.execute(
-                    "INSERT OR IGNORE INTO rollouts (rollout_id, input, is_train, config, metadata,"
-                    " state, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        rollout_id,
-                        json.dumps(item.input),
-                        int(item.is_train),
-                        item.config.model_dump_json(),
-                        json.dumps(item.metadata),
-                        RolloutState.QUEUING.value,
-                        now,
-                        now,
-                    ),
-                )
-                ids.append(rollout_id)
-            return [self._load(conn, rollout_id) for rollout_id in ids]
+                if rollout_id not in created:
+                    if rollout_id in self._snapshots:
+                        created[rollout_id] = self._load(conn, rollout_id)
+                    else:
+                        conn.execute(_INSERT_ROLLOUT, row)
+                        created[rollout_id] = _new_rollout(rollout_id, item, now)
+                result.append(created[rollout_id])
+            for rollout_id, rollout in created.items():
+                self._snapshots.setdefault(rollout_id, RolloutSnapshot(rollout.state))
+            return result
 
-        return await self._run(self._transaction(add))
+        return await self._write(add)
 
     async def get_rollout(self, rollout_id: str) -> Rollout:
-        return await self._run(lambda: self._load(self._conn, rollout_id))
+        return await self._read(lambda conn: self._load(conn, rollout_id))
 
     async def list_rollouts(
         self,
@@ -207,37 +423,38 @@ class RolloutStore:
             sql += " LIMIT ?"
             params.append(limit)
 
-        def query() -> list[Rollout]:
-            rows = self._conn.execute(sql, params).fetchall()
-            attempts = self._attempts_of(self._conn, [row["rollout_id"] for row in rows])
+        def query(conn: sqlite3.Connection) -> list[Rollout]:
+            rows = conn.execute(sql, params).fetchall()
+            attempts = self._attempts_of(conn, [row["rollout_id"] for row in rows])
             return [self._from_row(row, attempts.get(row["rollout_id"], [])) for row in rows]
 
-        return await self._run(query)
+        return await self._read(query)
 
     async def update_status(self, rollout_id: str, fields: StatusFields) -> Rollout:
         def update(conn: sqlite3.Connection) -> Rollout:
-            current = self._load(conn, rollout_id)
+            current = self.snapshot(rollout_id)
             now = time.time()
             changes: dict[str, Any] = {"updated_at": now}
             given = fields.model_fields_set
             for name in ("k8s_job_name", "error_message"):
                 if name in given:
                     changes[name] = getattr(fields, name)
-            if current.state.terminal and current.status.error_message is not None:
+            if current.state.terminal and "error_message" in changes and _error_message(conn, rollout_id) is not None:
                 # The first failure reason is the real one: a later FAILED -> FAILED (a
                 # controller's timeout sweep, a cleanup) must not bury it.
-                changes.pop("error_message", None)
+                changes.pop("error_message")
             target = fields.state
+            after = current
             if target is not None and target != current.state:
                 if target not in LEGAL_TRANSITIONS[current.state]:
                     raise IllegalTransition(
                         f"rollout {rollout_id} cannot go from {current.state.value} to {target.value}"
                     )
                 changes["state"] = target.value
-                attempt_id = current.status.last_attempt_id
+                attempt_id = current.last_attempt_id
                 if target == RolloutState.RUNNING:
                     attempt_id = fields.last_attempt_id or f"a{len(current.attempts) + 1}"
-                    if any(a.attempt_id == attempt_id for a in current.attempts):
+                    if attempt_id in current.attempts:
                         raise IllegalTransition(f"attempt {attempt_id} of rollout {rollout_id} already exists")
                     conn.execute(
                         "INSERT INTO attempts (rollout_id, attempt_id, state, started_at) VALUES (?, ?, ?, ?)",
@@ -246,96 +463,114 @@ class RolloutStore:
                     changes.update(last_attempt_id=attempt_id, started_at=now)
                     if "error_message" not in given:
                         changes["error_message"] = None
-                elif current.state == RolloutState.RUNNING and attempt_id is not None:
-                    # The running attempt ends with the rollout's move (to a result or a re-queue).
-                    attempt_state = RolloutState.FAILED if target == RolloutState.QUEUING else target
-                    conn.execute(
-                        "UPDATE attempts SET state=?, finished_at=?, error_message=?"
-                        " WHERE rollout_id=? AND attempt_id=?",
-                        (attempt_state.value, now, fields.error_message, rollout_id, attempt_id),
-                    )
+                    after = RolloutSnapshot(target, (*current.attempts, attempt_id), attempt_id)
+                else:
+                    if current.state == RolloutState.RUNNING and attempt_id is not None:
+                        # The running attempt ends with the rollout's move (to a result or a re-queue).
+                        attempt_state = RolloutState.FAILED if target == RolloutState.QUEUING else target
+                        conn.execute(
+                            "UPDATE attempts SET state=?, finished_at=?, error_message=?"
+                            " WHERE rollout_id=? AND attempt_id=?",
+                            (attempt_state.value, now, fields.error_message, rollout_id, attempt_id),
+                        )
+                    after = RolloutSnapshot(target, current.attempts, current.last_attempt_id)
                 if target.terminal:
                     changes["finished_at"] = now
-            elif "last_attempt_id" in given and fields.last_attempt_id != current.status.last_attempt_id:
+            elif "last_attempt_id" in given and fields.last_attempt_id != current.last_attempt_id:
                 raise IllegalTransition("last_attempt_id changes only when the rollout starts running")
             assignments = ", ".join(f"{name}=?" for name in changes)
             conn.execute(
                 f"UPDATE rollouts SET {assignments} WHERE rollout_id=?",
                 (*changes.values(), rollout_id),
             )
-            return self._load(conn, rollout_id)
+            rollout = self._load(conn, rollout_id)
+            self._snapshots[rollout_id] = after
+            return rollout
 
-        return await self._run(self._transaction(update))
+        return await self._write(update)
 
     async def delete_rollout(self, rollout_id: str) -> None:
         def delete(conn: sqlite3.Connection) -> None:
-            self._load(conn, rollout_id)
+            self.snapshot(rollout_id)
             for table in ("events", "attempts", "rollouts"):
                 conn.execute(f"DELETE FROM {table} WHERE rollout_id=?", (rollout_id,))
+            del self._snapshots[rollout_id]
 
-        await self._run(self._transaction(delete))
+        await self._write(delete)
 
     # -- events ---------------------------------------------------------------------------
 
     async def add_event(self, rollout_id: str, attempt_id: str, event: EventCreate) -> Event:
-        def add(conn: sqlite3.Connection) -> Event:
-            self._load(conn, rollout_id)
-            known = conn.execute(
-                "SELECT 1 FROM attempts WHERE rollout_id=? AND attempt_id=?", (rollout_id, attempt_id)
-            ).fetchone()
-            if known is None:
-                raise AttemptNotFound(f"rollout {rollout_id} has no attempt {attempt_id}")
-            now = time.time()
-            cursor = conn.execute(
-                "INSERT INTO events (rollout_id, attempt_id, event_type, data, created_at) VALUES (?, ?, ?, ?, ?)",
-                (rollout_id, attempt_id, event.event_type, json.dumps(event.data), now),
-            )
-            assert cursor.lastrowid is not None  # set by every INSERT
-            return Event(
-                event_id=cursor.lastrowid,
-                rollout_id=rollout_id,
-                attempt_id=attempt_id,
-                event_type=event.event_type,
-                data=event.data,
-                created_at=now,
-            )
+        event_id, created_at = await self.record_event(rollout_id, attempt_id, event.event_type, event.data)
+        return Event.model_validate(
+            {
+                "event_id": event_id,
+                "rollout_id": rollout_id,
+                "attempt_id": attempt_id,
+                "event_type": event.event_type,
+                "data": event.data,
+                "created_at": created_at,
+            }
+        )
 
-        return await self._run(self._transaction(add))
+    async def record_event(self, rollout_id: str, attempt_id: str, event_type: str, data: Any) -> tuple[int, float]:
+        """`add_event` without the wire models (the proxy's path): the event id and time."""
+        encoded = _encode(data, "data")
+        now = time.time()
+
+        def add(conn: sqlite3.Connection) -> int:
+            if attempt_id not in self.snapshot(rollout_id).attempts:
+                raise AttemptNotFound(f"rollout {rollout_id} has no attempt {attempt_id}")
+            event_id = conn.execute(_INSERT_EVENT, (rollout_id, attempt_id, event_type, encoded, now)).lastrowid
+            assert event_id is not None  # set by every INSERT
+            return event_id
+
+        return await self._write(add), now
 
     async def list_events(
         self, rollout_id: str, event_type: str | None = None, attempt_id: str | None = None
     ) -> list[Event]:
-        def query() -> list[Event]:
-            self._load(self._conn, rollout_id)
-            sql, params = "SELECT * FROM events WHERE rollout_id=?", [rollout_id]
-            if event_type:
-                sql += " AND event_type=?"
-                params.append(event_type)
-            if attempt_id:
-                sql += " AND attempt_id=?"
-                params.append(attempt_id)
-            rows = self._conn.execute(sql + " ORDER BY event_id", params).fetchall()
-            return [
-                Event(
-                    event_id=row["event_id"],
-                    rollout_id=row["rollout_id"],
-                    attempt_id=row["attempt_id"],
-                    event_type=row["event_type"],
-                    data=json.loads(row["data"]),
-                    created_at=row["created_at"],
-                )
-                for row in rows
-            ]
+        return await self._read(lambda conn: self._events(conn, rollout_id, event_type, attempt_id))
 
-        return await self._run(query)
+    def _events(
+        self, conn: sqlite3.Connection, rollout_id: str, event_type: str | None, attempt_id: str | None
+    ) -> list[Event]:
+        if conn.execute("SELECT 1 FROM rollouts WHERE rollout_id=?", (rollout_id,)).fetchone() is None:
+            raise RolloutNotFound(f"rollout {rollout_id} not found")
+        sql, params = "SELECT * FROM events WHERE rollout_id=?", [rollout_id]
+        if event_type:
+            sql += " AND event_type=?"
+            params.append(event_type)
+        if attempt_id:
+            sql += " AND attempt_id=?"
+            params.append(attempt_id)
+        return [
+            Event.model_validate(
+                {
+                    "event_id": row["event_id"],
+                    "rollout_id": row["rollout_id"],
+                    "attempt_id": row["attempt_id"],
+                    "event_type": row["event_type"],
+                    "data": codec.loads_lenient(row["data"]),
+                    "created_at": row["created_at"],
+                }
+            )
+            for row in conn.execute(sql + " ORDER BY event_id", params)
+        ]
 
     async def triplets(self, rollout_id: str, attempt_id: str | None = None) -> TripletBundle:
         """Per model call: token ids, logprobs and policy version, plus the attempt's reward."""
-        rollout = await self.get_rollout(rollout_id)
-        attempt_id = attempt_id or rollout.status.last_attempt_id
-        if attempt_id is None:
+
+        def query(conn: sqlite3.Connection) -> tuple[str | None, list[Event]]:
+            row = conn.execute("SELECT last_attempt_id FROM rollouts WHERE rollout_id=?", (rollout_id,)).fetchone()
+            if row is None:
+                raise RolloutNotFound(f"rollout {rollout_id} not found")
+            chosen = attempt_id or row["last_attempt_id"]
+            return chosen, [] if chosen is None else self._events(conn, rollout_id, None, chosen)
+
+        chosen, events = await self._read(query)
+        if chosen is None:
             return TripletBundle(rollout_id=rollout_id, attempt_id=None, reward=None, triplets=[])
-        events = await self.list_events(rollout_id, attempt_id=attempt_id)
         reward: float | None = None
         triplets = []
         for event in events:
@@ -352,31 +587,31 @@ class RolloutStore:
                         policy_version=data.get("policy_version"),
                     )
                 )
-        return TripletBundle(rollout_id=rollout_id, attempt_id=attempt_id, reward=reward, triplets=triplets)
+        return TripletBundle(rollout_id=rollout_id, attempt_id=chosen, reward=reward, triplets=triplets)
 
     async def rewards(self, rollout_ids: Iterable[str]) -> dict[str, float | None]:
         """The reward of each rollout's last attempt, as `triplets` reads it (last one wins),
         in one query per 500 rollouts rather than one per rollout."""
         ids = list(rollout_ids)
 
-        def query() -> dict[str, float | None]:
+        def query(conn: sqlite3.Connection) -> dict[str, float | None]:
             found: dict[str, float | None] = dict.fromkeys(ids)
             for start in range(0, len(ids), 500):
                 chunk = ids[start : start + 500]
-                rows = self._conn.execute(
+                rows = conn.execute(
                     "SELECT e.rollout_id, e.data FROM events e JOIN rollouts r ON r.rollout_id = e.rollout_id"
                     " AND r.last_attempt_id = e.attempt_id WHERE e.event_type = 'reward'"
                     f" AND e.rollout_id IN ({','.join('?' * len(chunk))}) ORDER BY e.event_id",
                     chunk,
                 ).fetchall()
                 for row in rows:
-                    data = json.loads(row["data"])
+                    data = codec.loads_lenient(row["data"])
                     found[row["rollout_id"]] = _reward_value(
                         data if isinstance(data, dict) else {}, found[row["rollout_id"]]
                     )
             return found
 
-        return await self._run(query)
+        return await self._read(query)
 
     # -- rows -----------------------------------------------------------------------------
 
@@ -412,10 +647,10 @@ class RolloutStore:
     def _from_row(row: sqlite3.Row, attempts: list[Attempt]) -> Rollout:
         return Rollout(
             rollout_id=row["rollout_id"],
-            input=json.loads(row["input"]),
+            input=codec.loads_lenient(row["input"]),
             is_train=bool(row["is_train"]),
             config=RolloutConfig.model_validate_json(row["config"]),
-            metadata=json.loads(row["metadata"]),
+            metadata=codec.loads_lenient(row["metadata"]),
             status=RolloutStatus(
                 state=row["state"],
                 k8s_job_name=row["k8s_job_name"],
@@ -438,3 +673,23 @@ def _reward_value(data: dict[str, Any], previous: float | None) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return previous
+
+
+def _error_message(conn: sqlite3.Connection, rollout_id: str) -> str | None:
+    row = conn.execute("SELECT error_message FROM rollouts WHERE rollout_id=?", (rollout_id,)).fetchone()
+    return None if row is None else row[0]
+
+
+def _new_rollout(rollout_id: str, item: RolloutCreate, now: float) -> Rollout:
+    """The rollout just inserted for `item`, built from the validated request (no re-read;
+    handing over validated sub-models is cheaper than `model_construct`, measured)."""
+    return Rollout(
+        rollout_id=rollout_id,
+        input=item.input,
+        is_train=item.is_train,
+        config=item.config,
+        metadata=item.metadata,
+        status=_QUEUING,
+        created_at=now,
+        updated_at=now,
+    )

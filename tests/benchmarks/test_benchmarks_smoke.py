@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from benchmarks import async_vs_sync, drain_latency, simulate_vs_measured
+from benchmarks import async_vs_sync, drain_latency, gateway_overhead, simulate_vs_measured
 
 
 @pytest.mark.vllm
@@ -91,3 +91,24 @@ def test_simulate_vs_measured_smoke(tmp_path, capsys):
     assert comparison["window"] == 4 and comparison["measured"] == 1.3
     assert comparison["predicted"] > 0 and comparison["predicted_running"] > 0
     assert comparison["relative_error"] == pytest.approx((comparison["predicted"] - 1.3) / 1.3)
+
+
+def test_gateway_overhead_smoke():
+    settings = gateway_overhead.Settings(
+        latency_requests=40,
+        throughput_requests=64,
+        throughput_concurrency=16,
+        slow_delay=0.02,
+        batches=8,
+        batch_size=16,
+        events=64,
+        rounds=2,
+    )
+    report = gateway_overhead.run_benchmark(settings)
+    print(gateway_overhead.format_report(report))
+    direct, rollover = report.paths["direct"], report.paths["rollover"]
+    assert direct.latency_p99_ms >= direct.latency_p50_ms > 0
+    assert rollover.latency_p99_ms >= rollover.latency_p50_ms > 0
+    assert report.throughput_ratio("rollover") > 0 and report.added_latency_ms("rollover") is not None
+    assert rollover.rollouts_per_s > 0 and rollover.events_per_s > 0
+    assert json.loads(json.dumps(report.to_json()))["throughput_ratio"]["rollover"] > 0

@@ -1,6 +1,8 @@
 """64 agents against a paused/resumed gateway, and a SIGKILL of the gateway mid-traffic."""
 
 import asyncio
+import json
+import sqlite3
 import threading
 import time
 
@@ -147,3 +149,59 @@ def test_sigkill_mid_traffic_loses_nothing_acknowledged(tmp_path):
             assert client.post("/api/rollouts", json=[{"input": "after"}]).status_code == 201
     finally:
         restarted.stop()
+
+
+def test_sigkill_under_concurrent_event_posting_keeps_every_acknowledged_event(tmp_path):
+    """Group commit answers a write only once its transaction is committed: whatever got a
+    201 is in the file after a SIGKILL, however many writes were sharing a commit."""
+    store_path = tmp_path / "events.db"
+    gateway = GatewayProcess(store=str(store_path), admin_key=ADMIN_KEY).start()
+    acknowledged: dict[int, tuple[str, dict]] = {}
+    posters = 16
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(
+            base_url=gateway.url, timeout=10, limits=httpx.Limits(max_connections=posters)
+        ) as client:
+            rollout_ids = await make_running_rollouts(client, posters)
+            stop = asyncio.Event()
+
+            async def post(rid: str) -> None:
+                headers = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid)}"}
+                n = 0
+                while not stop.is_set():
+                    n += 1
+                    data = {"value": 1.0, "poster": rid, "n": n}
+                    try:
+                        response = await client.post(
+                            f"/api/rollouts/{rid}/attempt/a1/events",
+                            json={"event_type": "progress", "data": data},
+                            headers=headers,
+                        )
+                    except httpx.TransportError:
+                        return
+                    assert response.status_code == 201, response.text
+                    acknowledged[response.json()["event_id"]] = (rid, data)
+
+            tasks = [asyncio.create_task(post(rid)) for rid in rollout_ids]
+            deadline = time.monotonic() + 60
+            while len(acknowledged) < 400 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            gateway.kill()  # while all 16 posters have calls in flight
+            stop.set()
+            await asyncio.gather(*tasks)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gateway.kill()
+    assert len(acknowledged) >= 400
+    # Read the file as any other process would: a plain SQLite database.
+    with sqlite3.connect(store_path) as conn:
+        stored = {
+            event_id: (rid, json.loads(data))
+            for event_id, rid, data in conn.execute("SELECT event_id, rollout_id, data FROM events")
+        }
+    missing = [event_id for event_id in acknowledged if event_id not in stored]
+    assert not missing, f"{len(missing)} acknowledged events lost, e.g. {missing[:5]}"
+    assert all(stored[event_id] == expected for event_id, expected in acknowledged.items())
