@@ -377,7 +377,7 @@ class RolloutStore:
 
         def add(conn: sqlite3.Connection) -> list[Rollout]:
             created: dict[str, Rollout] = {}
-            result = []
+            rows = []
             for item, row in prepared:
                 rollout_id = row[0]
                 # A caller-chosen id makes the POST idempotent: an existing rollout is kept as is.
@@ -385,9 +385,10 @@ class RolloutStore:
                     if rollout_id in self._snapshots:
                         created[rollout_id] = self._load(conn, rollout_id)
                     else:
-                        conn.execute(_INSERT_ROLLOUT, row)
+                        rows.append(row)
                         created[rollout_id] = _new_rollout(rollout_id, item, now)
-                result.append(created[rollout_id])
+            conn.executemany(_INSERT_ROLLOUT, rows)
+            result = [created[row[0]] for _, row in prepared]
             for rollout_id, rollout in created.items():
                 self._snapshots.setdefault(rollout_id, RolloutSnapshot(rollout.state))
             return result
@@ -690,6 +691,7 @@ def _new_rollout(rollout_id: str, item: RolloutCreate, now: float) -> Rollout:
         config=item.config,
         metadata=item.metadata,
         status=_QUEUING,
+        attempts=[],
         created_at=now,
         updated_at=now,
     )
