@@ -51,10 +51,14 @@ class RolloutConfig(_Wire):
     k8s: K8sRolloutConfig = Field(default_factory=K8sRolloutConfig)
 
 
+def _default_config() -> RolloutConfig:
+    return RolloutConfig.model_validate({})
+
+
 class RolloutCreate(_Wire):
     input: Any = None
     is_train: bool = True
-    config: RolloutConfig = Field(default_factory=RolloutConfig)
+    config: RolloutConfig = Field(default_factory=_default_config)
     metadata: dict[str, Any] = Field(default_factory=dict)
     rollout_id: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")
 
@@ -97,7 +101,7 @@ class Rollout(_Wire):
     rollout_id: str
     input: Any = None
     is_train: bool = True
-    config: RolloutConfig = Field(default_factory=RolloutConfig)
+    config: RolloutConfig = Field(default_factory=_default_config)
     metadata: dict[str, Any] = Field(default_factory=dict)
     status: RolloutStatus = Field(default_factory=RolloutStatus)
     attempts: list[Attempt] = Field(default_factory=list)
