@@ -331,9 +331,12 @@ class RolloutStore:
         except Exception as exc:
             for write in writes:
                 write.outcome = (False, exc)
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            self._snapshots = self._load_snapshots(conn)
+            try:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                self._snapshots = self._load_snapshots(conn)
+            except sqlite3.Error:  # the file is failing: the next write finds out again
+                pass
             return
         if self._checkpointer is not None:
             self._checkpointer.committed()

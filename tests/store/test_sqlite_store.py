@@ -4,6 +4,7 @@ import sqlite3
 import pytest
 
 from rollover.store import (
+    AttemptNotFound,
     EventCreate,
     IllegalTransition,
     RolloutCreate,
@@ -159,5 +160,55 @@ def test_failed_again_keeps_the_first_error_message(store):
         await store.update_status(q.rollout_id, StatusFields(state=RolloutState.FAILED))
         later = await store.update_status(q.rollout_id, StatusFields(state=RolloutState.FAILED, error_message="why"))
         assert later.status.error_message == "why"
+
+    run(scenario())
+
+
+def test_one_group_commit_keeps_the_writes_beside_a_refused_one(tmp_path):
+    """Writes made together share one transaction; a refused one changes nothing, the others
+    are all committed (and the in-memory snapshot agrees with the file)."""
+    path = tmp_path / "group.db"
+    store = RolloutStore(path)
+
+    async def scenario():
+        a, b, c = await store.add_rollouts([RolloutCreate() for _ in range(3)])
+        commits_before = store._checkpointer.commits
+        results = await asyncio.gather(
+            store.update_status(a.rollout_id, StatusFields(state=RolloutState.RUNNING)),
+            store.update_status(b.rollout_id, StatusFields(state=RolloutState.SUCCEEDED)),  # illegal
+            store.add_event(c.rollout_id, "a1", EventCreate(event_type="reward", data={"value": 1})),  # no attempt yet
+            store.update_status(c.rollout_id, StatusFields(state=RolloutState.RUNNING)),
+            store.add_event(a.rollout_id, "a1", EventCreate(event_type="reward", data={"value": 2})),
+            return_exceptions=True,
+        )
+        assert store._checkpointer.commits == commits_before + 1  # one transaction for all five
+        return a.rollout_id, b.rollout_id, c.rollout_id, results
+
+    a, b, c, results = run(scenario())
+    assert results[0].state == RolloutState.RUNNING and results[3].state == RolloutState.RUNNING
+    assert isinstance(results[1], IllegalTransition) and isinstance(results[2], AttemptNotFound)
+    assert results[4].event_id > 0
+    assert store.snapshot(c).attempts == ("a1",) and store.snapshot(b).state == RolloutState.QUEUING
+    store.close()
+    reopened = RolloutStore(path)
+    assert run(reopened.get_rollout(b)).state == RolloutState.QUEUING
+    assert [e.data for e in run(reopened.list_events(a))] == [{"value": 2}]
+    assert run(reopened.list_events(c)) == []
+    assert reopened.snapshot(a).attempts == ("a1",)
+    reopened.close()
+
+
+def test_values_that_are_not_standard_json_are_refused_before_storing(store):
+    from rollover.store import StoreError
+
+    async def scenario():
+        deep: list = []
+        for _ in range(300):
+            deep = [deep]
+        for bad in ("\ud800", deep):  # (NaN is written as null, orjson's rule)
+            with pytest.raises(StoreError) as refused:
+                await store.add_rollouts([RolloutCreate(input=bad)])
+            assert refused.value.status_code == 422
+        assert await store.list_rollouts() == []
 
     run(scenario())
