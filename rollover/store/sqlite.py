@@ -92,7 +92,6 @@ _INSERT_ROLLOUT = (
 )
 _INSERT_EVENT = "INSERT INTO events (rollout_id, attempt_id, event_type, data, created_at) VALUES (?, ?, ?, ?, ?)"
 _DEFAULT_CONFIG_JSON = RolloutConfig.model_validate({}).model_dump_json()
-_QUEUING = RolloutStatus(state=RolloutState.QUEUING)  # shared: models are not mutated once made
 
 
 class StoreError(Exception):
@@ -693,7 +692,7 @@ def _new_rollout(rollout_id: str, item: RolloutCreate, now: float) -> Rollout:
         is_train=item.is_train,
         config=item.config,
         metadata=item.metadata,
-        status=_QUEUING,
+        status=RolloutStatus(state=RolloutState.QUEUING, created_at=now, updated_at=now),
         attempts=[],
         created_at=now,
         updated_at=now,
