@@ -35,6 +35,7 @@ from rollover.store.models import (
     RolloutCreate,
     RolloutState,
     StatusPatch,
+    trimmed_for_training,
 )
 from rollover.store.sqlite import RolloutStore, StoreError
 
@@ -167,6 +168,7 @@ _MODELS = TypeAdapter(list[ModelEndpoint] | ModelEndpoint)
 _PAUSE = TypeAdapter(PauseRequest)
 _ROLLOUT_LIST = TypeAdapter(list[Rollout])
 _EVENT_LIST = TypeAdapter(list[Event])
+_JSON_LIST = TypeAdapter(list[dict[str, Any]])
 
 
 def _json(content: bytes | str, status_code: int = 200) -> Response:
@@ -255,12 +257,15 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         rollout_id: str,
         event_type: str | None = None,
         attempt_id: str | None = None,
-        format: Literal["raw", "triplet"] = "raw",
+        format: Literal["raw", "triplet", "samples"] = "raw",
     ) -> Response:
         _require_rollout_access(request, rollout_id)
-        if format == "triplet":
+        if format == "samples":  # Rollover's view: per call token ids, logprobs, version; the reward
             return _json((await store.triplets(rollout_id, attempt_id)).model_dump_json())
         events = await store.list_events(rollout_id, event_type=event_type or None, attempt_id=attempt_id)
+        if format == "triplet":  # Agent Lightning's: model requests (trimmed) and rewards
+            kept = [trimmed_for_training(e) for e in events if e.event_type in ("model_request", "reward")]
+            return _json(_JSON_LIST.dump_json(kept))
         return _json(_EVENT_LIST.dump_json(events))
 
     # -- models ---------------------------------------------------------------------------

@@ -139,7 +139,7 @@ class GatewayClient:
         ]
 
     async def triplets(self, rollout_id: str, attempt_id: str | None = None) -> TripletBundle:
-        params = {"format": "triplet", **({"attempt_id": attempt_id} if attempt_id else {})}
+        params = {"format": "samples", **({"attempt_id": attempt_id} if attempt_id else {})}
         return TripletBundle.model_validate(
             await self._request("GET", f"/api/rollouts/{rollout_id}/events", params=params)
         )

@@ -197,3 +197,29 @@ class ProxyState(_Wire):
     reason: str | None
     inflight: int
     paused_seconds_total: float = 0.0
+
+
+# What `format=triplet` keeps of a model request: Agent Lightning's `format=triplet` is the
+# events list with the bodies trimmed to what training reads (Rollover's own per-call view with
+# the reward is `format=samples`).
+TRAINING_FIELDS = (
+    "model",
+    "mode",
+    "prompt_token_ids",
+    "response_token_ids",
+    "response_logprobs",
+    "policy_version",
+    "latency_s",
+    "status_code",
+)
+
+
+def trimmed_for_training(event: Event) -> dict[str, Any]:
+    """`event` as `format=triplet` answers it: a model request without its message bodies."""
+    dumped = event.model_dump(mode="json")
+    if event.event_type == "model_request" and isinstance(event.data, dict):
+        data = {key: event.data[key] for key in TRAINING_FIELDS if key in event.data}
+        data["model_version"] = event.data.get("policy_version")
+        data["request"], data["response"] = {}, {}  # trimmed: the token ids above are the call
+        dumped["data"] = data
+    return dumped

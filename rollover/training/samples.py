@@ -1,6 +1,6 @@
 """Turn a rollout's recorded model calls into training sequences, and pad them into a batch.
 
-A *triplet* is one recorded model call (the gateway's ``format=triplet`` view):
+A *triplet* is one recorded model call (the gateway's ``format=samples`` view):
 ``{"prompt_token_ids", "response_token_ids", "response_logprobs", "policy_version"}``.
 
 Merging (SPEC §5): calls are walked in order. When a call's prompt starts with the whole

@@ -32,7 +32,7 @@ def rollout(admin, stub):
 def test_agent_lightning_v1_agent_works_unchanged(gateway, admin, rollout):
     env = dict(os.environ, **agent_env(gateway, rollout))
     subprocess.run([sys.executable, os.path.join(HERE, "agl_v1_agent.py")], env=env, check=True, timeout=60)
-    bundle = admin.get(f"/api/rollouts/{rollout}/events", params={"format": "triplet"}).json()
+    bundle = admin.get(f"/api/rollouts/{rollout}/events", params={"format": "samples"}).json()
     assert bundle["reward"] == 1.0 and len(bundle["triplets"]) == 1
 
 
@@ -46,7 +46,7 @@ def test_sdk_client_rides_out_a_pause(gateway, admin, rollout):
     assert reply.choices[0].message.content and time.monotonic() - started >= 1.0
     ctx.report_reward(0.25)
     ctx.report_reward(0.75)
-    assert admin.get(f"/api/rollouts/{rollout}/events", params={"format": "triplet"}).json()["reward"] == 0.75
+    assert admin.get(f"/api/rollouts/{rollout}/events", params={"format": "samples"}).json()["reward"] == 0.75
 
 
 def test_missing_env_is_a_clear_error():

@@ -96,6 +96,11 @@ def test_agent_lightning_controller_runs_rollouts_on_rollover(agl_python, peer_g
         agl_validate(agl_python, "Event", events, many=True)
         assert {e["event_type"] for e in events} == {"model_request", "reward"}
         assert all(e["attempt_id"] == "0" for e in events)
+        triplet = admin.get(f"/api/rollouts/{rid}/events", params={"format": "triplet"}).json()
+        agl_validate(agl_python, "Event", triplet, many=True)  # Agent Lightning's format=triplet: events
+        [call] = [e["data"] for e in triplet if e["event_type"] == "model_request"]
+        agl_validate(agl_python, "ModelRequestData", call)
+        assert call["response_token_ids"] and call["request"] == {}  # trimmed for training
     agl_validate(agl_python, "Model", admin.get("/api/models").json(), many=True)
 
     # the trainer's side: pause, poll until drained, resume (as its _pause_and_drain_gateway does)

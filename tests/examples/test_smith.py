@@ -339,7 +339,7 @@ def test_agent_fixes_the_bug_with_a_scripted_policy(tasks, scripted_policy):
             timeout=120,
         )
         assert process.returncode == 0, process.stdout + process.stderr
-        bundle = admin.get(f"/api/rollouts/{rollout_id}/events", params={"format": "triplet"}).json()
+        bundle = admin.get(f"/api/rollouts/{rollout_id}/events", params={"format": "samples"}).json()
         events = admin.get(f"/api/rollouts/{rollout_id}/events", params={"event_type": "smith_result"}).json()
     assert bundle["reward"] == 1.0
     assert len(bundle["triplets"]) == 5  # every policy call went through the recording proxy

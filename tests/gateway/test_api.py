@@ -116,7 +116,7 @@ def test_events_raw_and_triplet(admin):
     assert admin.post(url, json={"event_type": "reward", "data": {"value": 1.0}}).status_code == 201
     raw = admin.get(f"/api/rollouts/{r['rollout_id']}/events", params={"event_type": "reward"}).json()
     assert [e["data"] for e in raw] == [{"value": 1.0}]
-    triplet = admin.get(f"/api/rollouts/{r['rollout_id']}/events", params={"format": "triplet"}).json()
+    triplet = admin.get(f"/api/rollouts/{r['rollout_id']}/events", params={"format": "samples"}).json()
     assert triplet["reward"] == 1.0
     assert triplet["triplets"][0]["response_token_ids"] == [2, 3] and triplet["triplets"][0]["policy_version"] == 2
 

@@ -142,7 +142,7 @@ def test_sigkill_mid_traffic_loses_nothing_acknowledged(tmp_path):
             stored = {r["rollout_id"]: r for r in client.get("/api/rollouts").json()}
             assert acknowledged_rollouts <= set(stored)
             for rid, event_id in acknowledged_events.items():
-                bundle = client.get(f"/api/rollouts/{rid}/events", params={"format": "triplet"}).json()
+                bundle = client.get(f"/api/rollouts/{rid}/events", params={"format": "samples"}).json()
                 assert bundle["reward"] is not None
                 assert event_id in {e["event_id"] for e in client.get(f"/api/rollouts/{rid}/events").json()}
             # the restarted gateway keeps working on the same file

@@ -55,7 +55,7 @@ def test_chat_call_is_forced_and_recorded(gateway, admin, registered):
     assert data["prompt_token_ids"] == response.json()["prompt_token_ids"]
     assert data["response_logprobs"] == pytest.approx([-0.1, -0.2, -0.3, -0.4])
     assert data["request"] == body
-    triplets = admin.get(f"/api/rollouts/{rid}/events", params={"format": "triplet"}).json()["triplets"]
+    triplets = admin.get(f"/api/rollouts/{rid}/events", params={"format": "samples"}).json()["triplets"]
     assert triplets[0]["policy_version"] == 7
 
 
