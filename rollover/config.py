@@ -154,6 +154,13 @@ class GatewayConfig(_Section):
     )
     admin_key: str | None = Field(default=None, description="null = generated (and printed by `rollover gateway`)")
     retry_after_seconds: float = Field(default=5, ge=0, description="Retry-After sent to agents while paused")
+    hold_while_paused: bool = Field(
+        default=False,
+        description="hold proxy calls that arrive during a pause and forward them at resume (not in flight for the drain); false = the seed's immediate 429",
+    )
+    max_hold_seconds: float = Field(
+        default=600, gt=0, description="with hold_while_paused: a call held this long gets the seed's 429"
+    )
     upstream_timeout_seconds: float = Field(default=600, gt=0, description="one engine call, at most")
     upstream_retries: int = Field(default=3, ge=0, description="retries of an engine call on 5xx or timeout")
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0, description="larger request bodies get 413")

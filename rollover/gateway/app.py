@@ -331,7 +331,8 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
             raise HTTPException(409, f"rollout {rollout_id} is already {rollout.state.value}")
         if attempt_id not in rollout.attempts:
             raise HTTPException(404, f"rollout {rollout_id} has no attempt {attempt_id}")
-        refused = await state.pause.try_enter()
+        gateway = state.settings.gateway
+        refused = await state.pause.try_enter(gateway.max_hold_seconds if gateway.hold_while_paused else 0.0)
         if refused is not None:
             paused, (seconds, retry_after_ms) = refused
             headers = {

@@ -75,13 +75,14 @@ class ProxyPauseState:
         return float(math.ceil(seconds)) if left > self.retry_after_seconds else seconds, math.ceil(seconds * 1000)
 
     async def resume(self) -> ProxyState:
-        async with self._lock:
+        async with self._changed:
             if self._paused_since is not None:
                 self._paused_total += time.monotonic() - self._paused_since
                 self._paused_since = None
             self.paused = False
             self.reason = None
             self._expected_end = None
+            self._changed.notify_all()  # held calls go on
             return self._snapshot()
 
     async def state(self, wait_drained: float | None = None) -> ProxyState:
@@ -93,12 +94,20 @@ class ProxyPauseState:
                     pass
             return self._snapshot()
 
-    async def try_enter(self) -> tuple[ProxyState, tuple[float, int | None]] | None:
-        """Count a new call in flight, or return the state that refuses it while paused
-        and when to come back (`retry_after`)."""
-        async with self._lock:
+    async def try_enter(self, hold_seconds: float = 0.0) -> tuple[ProxyState, tuple[float, int | None]] | None:
+        """Count a new call in flight, or, while paused, wait up to `hold_seconds` for the
+        resume (a held call is not in flight: the drain does not wait for it) and then return
+        the state that refuses it and when to come back (`retry_after`)."""
+        async with self._changed:
+            if self.paused and hold_seconds > 0:
+                try:
+                    await asyncio.wait_for(self._changed.wait_for(lambda: not self.paused), hold_seconds)
+                except asyncio.TimeoutError:
+                    pass
             if self.paused:
                 return self._snapshot(), self.retry_after()
+            # Counted under the lock pause() takes: a pause that begins after this line waits
+            # for the call to drain like any other.
             self.inflight += 1
             return None
 
