@@ -298,7 +298,7 @@ def run_benchmark(settings: Settings, multipliers: Sequence[float] = (2.0,), eng
     owned = engine is None
     engine_start_s = None
     if owned:
-        from rollover.engine.testing import start_test_engine
+        from rollover.testing.engine import start_test_engine
 
         started = time.monotonic()
         # a loaded machine can take minutes to start vLLM

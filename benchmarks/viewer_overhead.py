@@ -158,7 +158,7 @@ def run_benchmark(
     data = async_vs_sync.write_data(out_dir)
     owned = engine is None
     if owned:
-        from rollover.engine.testing import start_test_engine
+        from rollover.testing.engine import start_test_engine
 
         engine = start_test_engine(model, log_path=out_dir / "engine.log", start_timeout_s=900)
     import rollover.training.policy  # noqa: F401  (the first run would pay the imports)

@@ -8,6 +8,7 @@ restart. Run: `python benchmarks/weight_sync.py [--repeats 3] [--workdir DIR]`.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import sys
@@ -59,7 +60,7 @@ def bench(label: str, model_dir: Path, work: Path, repeats: int, dtype: str) -> 
             t0 = time.perf_counter()
             wdir = save_weights(model, work / f"{label}-weights", dtype=getattr(torch, dtype))
             t1 = time.perf_counter()
-            engine.load_weights_sync(wdir)
+            asyncio.run(engine.load_weights(wdir))
             t2 = time.perf_counter()
             readies.append(first_reply_seconds(engine))
             if isinstance(engine.last_reload, dict):

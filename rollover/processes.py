@@ -19,12 +19,12 @@ _PR_SET_NAME = 15
 _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
 
 
-def die_with_parent() -> None:
-    """`preexec_fn`: ask Linux to SIGKILL the child when its parent dies, so a crashed
-    trainer leaves no orphaned engines or agents behind. The signal is tied to the thread
-    that forks, so spawn from threads that live as long as the parent (the main one)."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """`preexec_fn`: ask Linux to send `sig` (SIGKILL) to the child when its parent dies, so
+    a crashed trainer leaves no orphaned engines or agents behind. The signal is tied to the
+    thread that forks, so spawn from threads that live as long as the parent (the main one)."""
     if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        _LIBC.prctl(_PR_SET_PDEATHSIG, sig)
 
 
 def exit_if_orphaned(parent_pid: int, sig: int = signal.SIGKILL) -> None:

@@ -58,7 +58,7 @@ def tiny_model_dir(calc_model):
 
 @pytest.fixture(scope="session")
 def vllm_engine(calc_model, tmp_path_factory):
-    from rollover.engine.testing import alive, engine_family, start_test_engine, vllm_available
+    from rollover.testing.engine import alive, engine_family, start_test_engine, vllm_available
 
     if not vllm_available():
         pytest.fail("vLLM is not installed: run scripts/setup.sh --dev")

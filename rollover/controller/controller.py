@@ -33,7 +33,8 @@ import httpx
 from rollover.config import AgentLightningConfig, LocalRunnerConfig, RolloverConfig
 from rollover.controller.agent_env import agent_env
 from rollover.controller.runner import Execution, LaunchError, LaunchSpec, Outcome, Runner
-from rollover.gateway.client import ConflictError, GatewayClient, GatewayError, NotFoundError
+from rollover.gateway.client import ConflictError, GatewayClient, NotFoundError, is_transient
+from rollover.retry import call_with_retries
 from rollover.store.models import Rollout, RolloutState
 
 log = logging.getLogger("rollover.controller")
@@ -94,12 +95,6 @@ def runner_limits(config: AgentLightningConfig) -> tuple[int, dict[str, str]]:
         k8s.max_concurrency if k8s.max_concurrency is not None else local.max_concurrency,
         k8s.env_map if k8s.env_map is not None else local.env_map,
     )
-
-
-def _transient(exc: BaseException) -> bool:
-    if isinstance(exc, httpx.TransportError):
-        return True
-    return isinstance(exc, GatewayError) and (exc.status_code >= 500 or exc.status_code == 429)
 
 
 class Controller:
@@ -220,7 +215,7 @@ class Controller:
             except Exception as exc:
                 # Whatever goes wrong in one tick (a gateway restart, a bad reply), the next
                 # tick starts from the store's state again.
-                level = logging.WARNING if _transient(exc) else logging.ERROR
+                level = logging.WARNING if is_transient(exc) else logging.ERROR
                 log.log(
                     level,
                     "controller tick failed (retrying in %.1fs): %r",
@@ -245,7 +240,7 @@ class Controller:
             try:
                 await self._refresh_paused_time()
             except Exception as exc:
-                if not _transient(exc) or not self._running:
+                if not is_transient(exc) or not self._running:
                     raise
                 log.warning("cannot read the gateway's paused time: %r", exc)
             self._enforce_deadlines()
@@ -449,16 +444,6 @@ class Controller:
 
     async def _retry(self, call: Callable[[], Awaitable[T]], give_up_after: float | None = None) -> T:
         """Retry gateway hiccups (transport errors, 5xx) with backoff; other errors propagate."""
-        delay = 0.1
-        started = time.monotonic()
-        while True:
-            try:
-                return await call()
-            except Exception as exc:
-                if not _transient(exc):
-                    raise
-                if give_up_after is not None and time.monotonic() - started > give_up_after:
-                    raise
-                log.warning("gateway call failed, retrying in %.1fs: %r", delay, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        return await call_with_retries(
+            "gateway call", call, transient=is_transient, give_up_after=give_up_after, first_wait=0.1, max_wait=5.0
+        )

@@ -29,6 +29,7 @@ from kubernetes_asyncio.config.config_exception import ConfigException
 from rollover.config import K8sRunnerConfig
 from rollover.controller.job_template import SELECTOR, JobTemplate, JobTemplateError, build_job, job_name_for
 from rollover.controller.runner import ControllerConfigError, LaunchError, LaunchSpec, Outcome
+from rollover.retry import call_with_retries
 from rollover.store.models import Rollout
 
 log = logging.getLogger("rollover.controller.k8s")
@@ -248,31 +249,29 @@ class K8sRunner:
         return execution
 
     async def _create(self, job: dict[str, Any]) -> None:
-        for attempt in range(3):
-            try:
-                await self._batch.create_namespaced_job(self.config.namespace, job)
-                return
-            except Exception as exc:
-                if attempt == 2 or not _transient_api(exc):
-                    raise
-                await asyncio.sleep(0.5 * 2**attempt)
+        await call_with_retries(
+            "creating a Job",
+            lambda: self._batch.create_namespaced_job(self.config.namespace, job),
+            transient=_transient_api,
+            attempts=3,
+            logger=log,
+        )
 
     async def delete_job(self, name: str) -> None:
-        for attempt in range(3):
-            try:
-                await self._batch.delete_namespaced_job(name, self.config.namespace, propagation_policy="Background")
-                return
-            except ApiException as exc:
-                if exc.status == 404:
-                    return
-                if attempt == 2 or not _transient_api(exc):
-                    log.warning("cannot delete Job %s: %s", name, _api_reason(exc))
-                    return
-            except Exception as exc:
-                if attempt == 2 or not _transient_api(exc):
-                    log.warning("cannot delete Job %s: %r", name, exc)
-                    return
-            await asyncio.sleep(0.5 * 2**attempt)
+        """Delete a Job and its pod; one that is gone already is fine, a failure is logged."""
+        try:
+            await call_with_retries(
+                f"deleting Job {name}",
+                lambda: self._batch.delete_namespaced_job(name, self.config.namespace, propagation_policy="Background"),
+                transient=_transient_api,
+                attempts=3,
+                logger=log,
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                log.warning("cannot delete Job %s: %s", name, _api_reason(exc))
+        except Exception as exc:
+            log.warning("cannot delete Job %s: %r", name, exc)
 
     async def extend_deadline(self, execution: Any, seconds: float) -> None:
         body = {"spec": {"activeDeadlineSeconds": int(math.ceil(seconds))}}

@@ -1,6 +1,4 @@
-"""The inference engine: vLLM's OpenAI server owned by Rollover, and weight sync into it."""
-
-from rollover.engine.vllm_engine import EngineError, EngineStartError, VLLMEngine
-from rollover.engine.weights import save_weights
-
-__all__ = ["EngineError", "EngineStartError", "VLLMEngine", "save_weights"]
+"""The inference engine: vLLM's OpenAI server owned by Rollover (`vllm_engine`), the process
+that supervises it (`supervisor`), weight sync into it (`weights`, `weight_sync`) and the
+watchdog that restarts it (`watchdog`). Nothing is imported here, so that the supervisor
+starts without loading the rest."""

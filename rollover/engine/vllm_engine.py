@@ -4,7 +4,7 @@ The server runs with `VLLM_SERVER_DEV_MODE=1`, which exposes the management endp
 use for weight sync: `POST /collective_rpc` (method `rollover_reload_weights` from our
 worker extension, or vLLM's own `reload_weights`), `POST /reset_prefix_cache`, and on GPU
 `POST /sleep` / `POST /wake_up`. The process tree: a small supervisor (process-group
-leader, see `_SUPERVISOR`) -> vLLM API server -> engine core -> worker.
+leader, `rollover.engine.supervisor`) -> vLLM API server -> engine core -> worker.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from typing import Any, Literal
 
 import httpx
 
+from rollover.gateway.client import GatewayClient, GatewayError, is_transient
 from rollover.processes import child_pids, descendant_pids, free_port, group_alive, pid_alive, tail_lines
+from rollover.retry import call_with_retries
 
 log = logging.getLogger(__name__)
 
@@ -50,64 +52,8 @@ class GatewayRegistrationError(EngineError):
     """`POST /api/models` on the gateway failed (after retries)."""
 
 
-# The process-group leader we spawn: a few lines of Python that run vLLM's server as
-# their child and clean up after it. Why not vLLM directly: a parent-death signal reaches
-# only the server process, and vLLM's engine-core and worker processes outlive a killed
-# server (measured with vLLM 0.32: they stay up, holding memory, with no parent). The
-# supervisor is in the same process group as all of them and sweeps the group when
-# the server exits for any reason, when it is asked to stop (SIGTERM), or when the
-# process that started it dies (its own parent-death signal is SIGTERM). The server gets
-# SIGTERM too if the supervisor itself is killed.
-_SUPERVISOR = r"""
-import ctypes, os, signal, subprocess, sys, time
-parent, grace, argv = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
-
-def pdeathsig(sig):
-    try:
-        ctypes.CDLL(None).prctl(1, int(sig), 0, 0, 0)
-    except Exception:
-        pass
-
-pdeathsig(signal.SIGTERM)
-if os.getppid() != parent:
-    sys.exit(1)
-stop = []
-signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
-signal.signal(signal.SIGHUP, lambda *a: stop.append(1))
-child = subprocess.Popen(argv, preexec_fn=lambda: pdeathsig(signal.SIGTERM))
-while child.poll() is None and not stop:
-    time.sleep(0.1)
-if child.poll() is None:
-    child.terminate()
-    try:
-        child.wait(grace)
-    except subprocess.TimeoutExpired:
-        pass
-
-def group_members():
-    me, pgrp, out = os.getpid(), os.getpgrp(), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != me:
-            try:
-                with open("/proc/%s/stat" % entry, "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgrp and fields[0] != b"Z":
-                out.append(int(entry))
-    return out
-
-deadline = time.monotonic() + 2
-while group_members() and time.monotonic() < deadline:
-    time.sleep(0.1)
-for pid in group_members():
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
-code = child.wait()
-sys.exit(code if code >= 0 else 128 - code)
-"""
+class _PrefixCacheBusy(Exception):
+    """vLLM kept cached blocks because requests still hold them."""
 
 
 def chat_template_of(model_dir: str | Path) -> str:
@@ -311,7 +257,15 @@ class VLLMEngine:
             self._log_file.flush()
             self._started_at = time.monotonic()
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", _SUPERVISOR, str(os.getpid()), str(self.stop_grace_s), *self.command()],
+                [
+                    sys.executable,
+                    "-m",
+                    "rollover.engine.supervisor",
+                    str(os.getpid()),
+                    str(self.stop_grace_s),
+                    "--",
+                    *self.command(),
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=self._log_file,
                 stderr=subprocess.STDOUT,
@@ -355,10 +309,6 @@ class VLLMEngine:
         self.start_seconds = time.monotonic() - self._started_at
         log.info("vLLM ready in %.1f s", self.start_seconds)
         return self.start_seconds
-
-    async def async_wait_ready(self, timeout_s: float | None = None) -> float:
-        """`wait_ready` without blocking the event loop."""
-        return await asyncio.to_thread(self.wait_ready, timeout_s)
 
     def is_alive(self) -> bool:
         """True while the server process runs (it may still be starting)."""
@@ -477,22 +427,34 @@ class VLLMEngine:
             resp = await client.post(f"{self.server_url}{path}", json=json, params=params)
         return self._check(resp, f"POST {path}")
 
-    async def reset_prefix_cache(self, retries: int = 20) -> None:
+    async def reset_prefix_cache(self, attempts: int = 20) -> None:
         """Drop cached KV blocks computed with the old weights.
 
         vLLM answers `success: false` while blocks are held by running requests; the
         caller should have drained traffic, so we only retry briefly.
         """
-        for attempt in range(retries):
+
+        async def reset() -> None:
             resp = await self._post("/reset_prefix_cache")
             try:
                 ok = bool(resp.json().get("success", True))
             except ValueError:
                 ok = True  # older servers answer with an empty 200
-            if ok:
-                return
-            await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
-        raise EngineError("reset_prefix_cache kept failing: requests still running on the engine?")
+            if not ok:
+                raise _PrefixCacheBusy
+
+        try:
+            await call_with_retries(
+                "resetting the prefix cache",
+                reset,
+                transient=lambda exc: isinstance(exc, _PrefixCacheBusy),
+                attempts=attempts,
+                first_wait=0.05,
+                max_wait=1.0,
+                logger=log,
+            )
+        except _PrefixCacheBusy:
+            raise EngineError("reset_prefix_cache kept failing: requests still running on the engine?") from None
 
     async def load_weights(self, weights_dir: str | Path, *, version: int | None = None) -> int:
         """Reload the weights in place from `weights_dir` (see `save_weights`).
@@ -529,10 +491,6 @@ class VLLMEngine:
         if self.gateway_url is not None:
             await self.register_with_gateway(self.gateway_url, self._gateway_key or "")
         return self.policy_version
-
-    def load_weights_sync(self, weights_dir: str | Path, *, version: int | None = None) -> int:
-        """`load_weights` for callers without an event loop."""
-        return _run_sync(self.load_weights(weights_dir, version=version))
 
     async def sleep(self, level: int = 1) -> None:
         """Free accelerator memory during a policy update (GPU, needs sleep mode).
@@ -588,43 +546,17 @@ class VLLMEngine:
             }
         ]
 
-    async def register_with_gateway(self, gateway_url: str, admin_key: str, *, retries: int = 3) -> None:
-        """Upsert this endpoint and its `policy_version` in the gateway's model registry."""
-        url = f"{gateway_url.rstrip('/')}/api/models"
-        headers = {"Authorization": f"Bearer {admin_key}"}
-        last: str = ""
-        async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
-            for attempt in range(retries):
-                try:
-                    resp = await client.post(url, json=self.registration(), headers=headers)
-                    if resp.status_code < 300:
-                        return
-                    last = f"HTTP {resp.status_code}: {resp.text[:500]}"
-                    if 400 <= resp.status_code < 500:
-                        break  # auth or body error: retrying will not help
-                except httpx.HTTPError as e:
-                    last = repr(e)
-                await asyncio.sleep(0.5 * 2**attempt)
-        raise GatewayRegistrationError(f"POST {url} failed: {last}")
-
-
-def _run_sync(coro: Any) -> Any:
-    """Run a coroutine from sync code, also when the calling thread has a running loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    box: dict[str, Any] = {}
-
-    def runner() -> None:
-        try:
-            box["value"] = asyncio.run(coro)
-        except BaseException as e:  # re-raised in the caller's thread
-            box["error"] = e
-
-    t = threading.Thread(target=runner, name="rollover-engine-sync")
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+    async def register_with_gateway(self, gateway_url: str, admin_key: str, *, attempts: int = 3) -> None:
+        """Upsert this endpoint and its `policy_version` in the gateway's model registry;
+        a gateway that is restarting or failing is retried, a refusal (4xx) is not."""
+        async with GatewayClient(gateway_url, admin_key) as client:
+            try:
+                await call_with_retries(
+                    "registering the engine with the gateway",
+                    lambda: client.register_models(self.registration()),
+                    transient=is_transient,
+                    attempts=attempts,
+                    logger=log,
+                )
+            except (GatewayError, httpx.HTTPError) as exc:
+                raise GatewayRegistrationError(f"POST {client.base_url}/api/models failed: {exc}") from exc

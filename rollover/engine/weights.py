@@ -41,7 +41,7 @@ def _dedupe_shared(
     seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), t.stride())
         if t.device.type != "meta" and key in seen:
             continue
         seen.add(key)

@@ -34,6 +34,14 @@ class NotFoundError(GatewayError):
     pass
 
 
+def is_transient(exc: BaseException) -> bool:
+    """A gateway error worth retrying: it is restarting or unreachable (transport errors),
+    failing inside (5xx) or shedding load (429)."""
+    if isinstance(exc, httpx.TransportError):
+        return True
+    return isinstance(exc, GatewayError) and (exc.status_code >= 500 or exc.status_code == 429)
+
+
 class GatewayClient:
     def __init__(self, base_url: str, admin_key: str, *, timeout: float = 30.0) -> None:
         self.base_url = base_url.rstrip("/")

@@ -9,9 +9,12 @@ import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast, get_args
 
 from rich.console import Console
+
+WandbMode = Literal["online", "offline", "disabled", "shared"]
+_WANDB_MODES = frozenset(get_args(WandbMode))
 
 CONSOLE_KEYS = (
     ("reward/mean", "reward", "{:.3f}"),
@@ -65,11 +68,13 @@ class MetricsLogger:
 
             # Offline unless the user asked for online explicitly: runs never need a network.
             mode = os.environ.get("WANDB_MODE", "offline")
+            if mode not in _WANDB_MODES:
+                raise ValueError(f"WANDB_MODE={mode!r}: use one of {', '.join(get_args(WandbMode))}")
             self._wandb = wandb.init(
                 project=project,
                 name=experiment,
                 dir=str(self.run_dir),
-                mode=mode,
+                mode=cast(WandbMode, mode),
                 config=dict(config or {}),
                 reinit="finish_previous",
             )

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
 import torch
 
 from rollover.config import RolloverConfig, check_async_rollout
-from rollover.gateway.client import GatewayClient, GatewayError
+from rollover.gateway.client import GatewayClient, is_transient
 from rollover.metrics import MetricsLogger, summarize
 from rollover.metrics.progress import NullProgress, Progress
+from rollover.retry import call_with_retries
 from rollover.store.models import RolloutState
 from rollover.training.algorithms import compute_advantages
 from rollover.training.data import PromptLoader
@@ -133,18 +133,10 @@ class Trainer:
     # -- gateway --------------------------------------------------------------------------
 
     async def _resume_gateway(self, attempts: int = 5) -> None:
-        for attempt in range(attempts):
-            try:
-                await self.client.resume()
-                if self._paused_at is not None:
-                    self._last_pause_seconds = self.clock() - self._paused_at
-                    self._paused_at = None
-                return
-            except (GatewayError, httpx.HTTPError) as exc:
-                if attempt == attempts - 1:
-                    raise
-                log.warning("resume failed (%s); retrying", exc)
-                await asyncio.sleep(0.5 * 2**attempt)
+        await call_with_retries("resuming the gateway", self.client.resume, transient=is_transient, attempts=attempts)
+        if self._paused_at is not None:
+            self._last_pause_seconds = self.clock() - self._paused_at
+            self._paused_at = None
 
     async def _pause_and_drain_gateway(self) -> tuple[int, float]:
         """Pause the proxy, record in-flight calls at that moment, wait until none are left."""

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollover.engine.testing import TEST_MAX_MODEL_LEN, alive, engine_family
 from rollover.engine.vllm_engine import EngineError, EngineStartError, VLLMEngine
 from rollover.processes import descendant_pids, group_members
+from rollover.testing.engine import TEST_MAX_MODEL_LEN, alive, engine_family
 from tests.conftest import ADMIN_KEY
 
 pytestmark = pytest.mark.vllm

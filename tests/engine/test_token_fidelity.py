@@ -7,6 +7,7 @@ rollout-correction weights exp(π_old − μ) are ~1 on fresh data.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,9 @@ import httpx
 import pytest
 import torch
 
-from rollover.engine.testing import restore_weights
 from rollover.engine.vllm_engine import VLLMEngine
 from rollover.engine.weights import save_weights
+from rollover.testing.engine import restore_weights
 
 pytestmark = pytest.mark.vllm
 
@@ -111,7 +112,7 @@ def test_logprobs_match_after_weight_sync(vllm_engine: VLLMEngine, tiny_model_di
     with torch.no_grad():
         for p in model.parameters():  # large enough to make the distributions peaked
             p.add_(torch.randn(p.shape, generator=gen) * 0.2)
-    vllm_engine.load_weights_sync(save_weights(model, tmp_path / "w"))
+    asyncio.run(vllm_engine.load_weights(save_weights(model, tmp_path / "w")))
     try:
         stats = compare(vllm_engine, model, "after weight sync")
     finally:

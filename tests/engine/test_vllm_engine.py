@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -14,9 +15,9 @@ import httpx
 import pytest
 import torch
 
-from rollover.engine.testing import restore_weights
 from rollover.engine.vllm_engine import EngineError, GatewayRegistrationError, VLLMEngine
 from rollover.engine.weights import save_weights
+from rollover.testing.engine import restore_weights
 
 pytestmark = pytest.mark.vllm
 
@@ -113,7 +114,7 @@ def test_weight_load_changes_output_and_bumps_version(
     weights = save_weights(perturbed_state(tiny_model_dir), tmp_path / "w1")
     save_s = time.perf_counter() - save_s
     load_s = time.perf_counter()
-    assert vllm_engine.load_weights_sync(weights) == version + 1
+    assert asyncio.run(vllm_engine.load_weights(weights)) == version + 1
     load_s = time.perf_counter() - load_s
     try:
         print(f"\nweight sync (tiny): save {save_s * 1000:.0f} ms, load {load_s * 1000:.0f} ms")
@@ -129,9 +130,9 @@ def test_weight_load_changes_output_and_bumps_version(
 def test_load_weights_explicit_version_and_errors(
     vllm_engine: VLLMEngine, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    assert vllm_engine.load_weights_sync(tiny_model_dir, version=100) == 100
+    assert asyncio.run(vllm_engine.load_weights(tiny_model_dir, version=100)) == 100
     with pytest.raises(EngineError, match="safetensors"):
-        vllm_engine.load_weights_sync(tmp_path)
+        asyncio.run(vllm_engine.load_weights(tmp_path))
     assert vllm_engine.policy_version == 100
     assert vllm_engine.is_alive()
 
