@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from tenacity import (
@@ -25,62 +26,45 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-def retrying(
-    what: str,
-    *,
-    transient: Callable[[BaseException], bool],
-    attempts: int | None = None,
-    give_up_after: float | None = None,
-    first_wait: float = 0.5,
-    max_wait: float = 10.0,
-    logger: logging.Logger = log,
-) -> AsyncRetrying:
-    """`async for attempt in retrying(...): with attempt: ...`. Waits `first_wait`, then
-    twice as long each time up to `max_wait`; stops after `attempts` tries or once
-    `give_up_after` seconds have passed (whichever comes first; neither = never) and raises
-    the last error as it was."""
-    stops: list[stop_base] = []
-    if attempts is not None:
-        stops.append(stop_after_attempt(attempts))
-    if give_up_after is not None:
-        stops.append(stop_after_delay(give_up_after))
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retry the errors `transient` accepts: wait `first_wait`, then twice as long each time
+    up to `max_wait`; stop after `attempts` tries or once `give_up_after` seconds have passed
+    (whichever comes first; neither = never), raising the last error as it was."""
 
-    def before_sleep(state: RetryCallState) -> None:
-        error = state.outcome.exception() if state.outcome is not None else None
-        wait = state.next_action.sleep if state.next_action is not None else 0.0
-        logger.warning("%s failed (retrying in %.1fs): %r", what, wait, error)
+    transient: Callable[[BaseException], bool]
+    attempts: int | None = None
+    give_up_after: float | None = None
+    first_wait: float = 0.5
+    max_wait: float = 10.0
 
-    return AsyncRetrying(
-        stop=stop_any(*stops) if stops else stop_never,
-        wait=wait_exponential(multiplier=first_wait, min=first_wait, max=max_wait),
-        retry=retry_if_exception(transient),
-        before_sleep=before_sleep,
-        reraise=True,
-    )
+    def retrying(self, what: str, logger: logging.Logger = log) -> AsyncRetrying:
+        """`async for attempt in policy.retrying(...): with attempt: ...`"""
+        stops: list[stop_base] = []
+        if self.attempts is not None:
+            stops.append(stop_after_attempt(self.attempts))
+        if self.give_up_after is not None:
+            stops.append(stop_after_delay(self.give_up_after))
+
+        def before_sleep(state: RetryCallState) -> None:
+            error = state.outcome.exception() if state.outcome is not None else None
+            wait = state.next_action.sleep if state.next_action is not None else 0.0
+            logger.warning("%s failed (retrying in %.1fs): %r", what, wait, error)
+
+        return AsyncRetrying(
+            stop=stop_any(*stops) if stops else stop_never,
+            wait=wait_exponential(multiplier=self.first_wait, min=self.first_wait, max=self.max_wait),
+            retry=retry_if_exception(self.transient),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
 
 
 async def call_with_retries(
-    what: str,
-    call: Callable[[], Awaitable[T]],
-    *,
-    transient: Callable[[BaseException], bool],
-    attempts: int | None = None,
-    give_up_after: float | None = None,
-    first_wait: float = 0.5,
-    max_wait: float = 10.0,
-    logger: logging.Logger = log,
+    what: str, call: Callable[[], Awaitable[T]], policy: RetryPolicy, logger: logging.Logger = log
 ) -> T:
-    """`await call()` until it returns, retrying the errors `transient` accepts (see `retrying`)."""
-    policy = retrying(
-        what,
-        transient=transient,
-        attempts=attempts,
-        give_up_after=give_up_after,
-        first_wait=first_wait,
-        max_wait=max_wait,
-        logger=logger,
-    )
-    async for attempt in policy:
+    """`await call()` until it returns, as `policy` says; `what` names it in the log."""
+    async for attempt in policy.retrying(what, logger):
         with attempt:
             return await call()
     raise AssertionError("unreachable: tenacity reraises the last error")

@@ -34,7 +34,7 @@ from rollover.config import AgentLightningConfig, LocalRunnerConfig, RolloverCon
 from rollover.controller.agent_env import agent_env
 from rollover.controller.runner import Execution, LaunchError, LaunchSpec, Outcome, Runner
 from rollover.gateway.client import ConflictError, GatewayClient, NotFoundError, is_transient
-from rollover.retry import call_with_retries
+from rollover.retry import RetryPolicy, call_with_retries
 from rollover.store.models import Rollout, RolloutState
 
 log = logging.getLogger("rollover.controller")
@@ -445,5 +445,8 @@ class Controller:
     async def _retry(self, call: Callable[[], Awaitable[T]], give_up_after: float | None = None) -> T:
         """Retry gateway hiccups (transport errors, 5xx) with backoff; other errors propagate."""
         return await call_with_retries(
-            "gateway call", call, transient=is_transient, give_up_after=give_up_after, first_wait=0.1, max_wait=5.0
+            "gateway call",
+            call,
+            RetryPolicy(is_transient, give_up_after=give_up_after, first_wait=0.1, max_wait=5.0),
+            log,
         )

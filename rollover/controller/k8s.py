@@ -29,7 +29,7 @@ from kubernetes_asyncio.config.config_exception import ConfigException
 from rollover.config import K8sRunnerConfig
 from rollover.controller.job_template import SELECTOR, JobTemplate, JobTemplateError, build_job, job_name_for
 from rollover.controller.runner import ControllerConfigError, LaunchError, LaunchSpec, Outcome
-from rollover.retry import call_with_retries
+from rollover.retry import RetryPolicy, call_with_retries
 from rollover.store.models import Rollout
 
 log = logging.getLogger("rollover.controller.k8s")
@@ -252,9 +252,8 @@ class K8sRunner:
         await call_with_retries(
             "creating a Job",
             lambda: self._batch.create_namespaced_job(self.config.namespace, job),
-            transient=_transient_api,
-            attempts=3,
-            logger=log,
+            RetryPolicy(_transient_api, attempts=3),
+            log,
         )
 
     async def delete_job(self, name: str) -> None:
@@ -263,9 +262,8 @@ class K8sRunner:
             await call_with_retries(
                 f"deleting Job {name}",
                 lambda: self._batch.delete_namespaced_job(name, self.config.namespace, propagation_policy="Background"),
-                transient=_transient_api,
-                attempts=3,
-                logger=log,
+                RetryPolicy(_transient_api, attempts=3),
+                log,
             )
         except ApiException as exc:
             if exc.status != 404:

@@ -28,7 +28,7 @@ import httpx
 
 from rollover.gateway.client import GatewayClient, GatewayError, is_transient
 from rollover.processes import child_pids, descendant_pids, free_port, group_alive, pid_alive, tail_lines
-from rollover.retry import call_with_retries
+from rollover.retry import RetryPolicy, call_with_retries
 
 log = logging.getLogger(__name__)
 
@@ -447,11 +447,10 @@ class VLLMEngine:
             await call_with_retries(
                 "resetting the prefix cache",
                 reset,
-                transient=lambda exc: isinstance(exc, _PrefixCacheBusy),
-                attempts=attempts,
-                first_wait=0.05,
-                max_wait=1.0,
-                logger=log,
+                RetryPolicy(
+                    lambda exc: isinstance(exc, _PrefixCacheBusy), attempts=attempts, first_wait=0.05, max_wait=1.0
+                ),
+                log,
             )
         except _PrefixCacheBusy:
             raise EngineError("reset_prefix_cache kept failing: requests still running on the engine?") from None
@@ -554,9 +553,8 @@ class VLLMEngine:
                 await call_with_retries(
                     "registering the engine with the gateway",
                     lambda: client.register_models(self.registration()),
-                    transient=is_transient,
-                    attempts=attempts,
-                    logger=log,
+                    RetryPolicy(is_transient, attempts=attempts),
+                    log,
                 )
             except (GatewayError, httpx.HTTPError) as exc:
                 raise GatewayRegistrationError(f"POST {client.base_url}/api/models failed: {exc}") from exc

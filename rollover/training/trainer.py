@@ -19,7 +19,7 @@ from rollover.config import RolloverConfig, check_async_rollout
 from rollover.gateway.client import GatewayClient, is_transient
 from rollover.metrics import MetricsLogger, summarize
 from rollover.metrics.progress import NullProgress, Progress
-from rollover.retry import call_with_retries
+from rollover.retry import RetryPolicy, call_with_retries
 from rollover.store.models import RolloutState
 from rollover.training.algorithms import compute_advantages
 from rollover.training.data import PromptLoader
@@ -133,7 +133,9 @@ class Trainer:
     # -- gateway --------------------------------------------------------------------------
 
     async def _resume_gateway(self, attempts: int = 5) -> None:
-        await call_with_retries("resuming the gateway", self.client.resume, transient=is_transient, attempts=attempts)
+        await call_with_retries(
+            "resuming the gateway", self.client.resume, RetryPolicy(is_transient, attempts=attempts)
+        )
         if self._paused_at is not None:
             self._last_pause_seconds = self.clock() - self._paused_at
             self._paused_at = None
