@@ -167,6 +167,11 @@ class GatewayConfig(_Section):
     drain_timeout_seconds: float = Field(
         default=300, gt=0, description="a drain slower than this is an error naming the stuck rollouts"
     )
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="rollover train restarts a dead gateway (same port and store) this often, then the run stops",
+    )
 
     def store_path(self, folder: str | Path) -> str:
         """`store`, or the default file in `folder` (the run folder)."""
@@ -479,6 +484,10 @@ class GatewaySettings(BaseModel):
     val_temperature: Temperature = Field(description="actor_rollout_ref.rollout.val_kwargs.temperature")
     max_response_tokens: int | None = Field(
         default=None, gt=0, description="data.max_response_length: a call's response is capped here (null = no cap)"
+    )
+    instance: str | None = Field(
+        default=None,
+        description="a token /healthz answers with: whoever started this gateway knows the server on the port is it",
     )
 
     @classmethod

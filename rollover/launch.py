@@ -81,7 +81,7 @@ async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) 
     from rollover.engine.watchdog import EngineWatchdog
     from rollover.engine.weight_sync import EngineWeightSync
     from rollover.gateway.client import GatewayClient
-    from rollover.gateway.server import GatewayProcess
+    from rollover.gateway.server import GatewayDied, GatewayProcess, GatewayWatchdog
     from rollover.metrics import MetricsLogger
     from rollover.metrics.console import LiveConsole, RunSummary
     from rollover.training.data import read_tasks
@@ -144,6 +144,9 @@ async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) 
             engine.attach_gateway(gateway.url, admin_key)  # not the previous run's gateway
             await engine.load_weights(model_path, version=0)
         client = GatewayClient(gateway.url, admin_key)
+        # The store may be a resumed run's: its gateway state (pause, engines) is a dead one's.
+        await client.clear_models()
+        await client.resume()
         async with Controller(config, client, log_dir=run_dir / "agent_logs"):
             engine_lock = asyncio.Lock()
             trainer = Trainer(
@@ -169,8 +172,13 @@ async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) 
             engine.attach_gateway(gateway.url, admin_key)
             await engine.register_with_gateway(gateway.url, admin_key)
             watchdog = EngineWatchdog(engine, engine_lock, max_restarts=rollout.max_engine_restarts)
+            gateway_watchdog = GatewayWatchdog(gateway, max_restarts=config.gateway.max_restarts)
             with live if live is not None else contextlib.nullcontext():
-                await _until_first_done(trainer.fit(policy.optimizer), watchdog.run())
+                try:
+                    await _until_first_done(trainer.fit(policy.optimizer), watchdog.run(), gateway_watchdog.run())
+                except GatewayDied:
+                    client.retry_seconds = 0  # shutting down: nothing is going to bring it back
+                    raise
         summary = {k: v for k, v in trainer.history[-1].items()} if trainer.history else {}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         if live is not None:
@@ -188,20 +196,23 @@ async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) 
         gateway.stop()
 
 
-async def _until_first_done(main: Any, guard: Any) -> Any:
-    """Run `main` with `guard` beside it; whichever ends first (the guard only by raising)
-    ends the other. Returns `main`'s result."""
-    main_task, guard_task = asyncio.ensure_future(main), asyncio.ensure_future(guard)
+async def _until_first_done(main: Any, *guards: Any) -> Any:
+    """Run `main` with `guards` beside it; whichever ends first (a guard only by raising)
+    ends the others. Returns `main`'s result."""
+    main_task = asyncio.ensure_future(main)
+    guard_tasks = [asyncio.ensure_future(guard) for guard in guards]
+    tasks = [main_task, *guard_tasks]
     try:
-        await asyncio.wait({main_task, guard_task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in (main_task, guard_task):
+        for task in tasks:
             if not task.done():
                 task.cancel()
-        await asyncio.gather(main_task, guard_task, return_exceptions=True)
-    failure = guard_task.exception() if guard_task.done() and not guard_task.cancelled() else None
-    if failure is not None:
-        raise failure
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for guard_task in guard_tasks:
+        failure = guard_task.exception() if guard_task.done() and not guard_task.cancelled() else None
+        if failure is not None:
+            raise failure
     return main_task.result()
 
 

@@ -51,6 +51,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def port_taken(host: str, port: int) -> bool:
+    """True if a server listens on `port` now (binding it fails as a server's bind would)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def tail_lines(path: str | Path, n: int = 40, max_bytes: int = 65536) -> str:
     """The last `n` lines of a log file (what error messages quote), reading at most its
     last `max_bytes`."""

@@ -20,11 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import tenacity
 
 # A weight update keeps the gateway paused for as long as the trainer needs; with the
 # gateway's Retry-After of 5 s, 120 retries ride out ten minutes of pause.
 DEFAULT_MAX_RETRIES = 120
 DEFAULT_TIMEOUT_SECONDS = 600.0
+# How long an event keeps being retried while the gateway cannot be reached: `rollover train`
+# restarts a dead gateway on the same port within seconds.
+DEFAULT_EVENT_RETRY_SECONDS = 120.0
 
 
 class AgentEnvError(RuntimeError):
@@ -83,9 +87,30 @@ class AgentContext:
             base_url=self.openai_base_url, api_key=self.key, max_retries=max_retries, timeout=timeout, **kwargs
         )
 
-    def emit(self, event_type: str, data: Any, *, timeout: float = 30.0) -> dict[str, Any]:
-        """Post any event to this rollout's attempt."""
-        response = httpx.post(
+    def emit(
+        self,
+        event_type: str,
+        data: Any,
+        *,
+        timeout: float = 30.0,
+        retry_seconds: float = DEFAULT_EVENT_RETRY_SECONDS,
+        idempotent: bool = False,
+    ) -> dict[str, Any]:
+        """Post any event to this rollout's attempt. While the gateway cannot be reached (it
+        is being restarted) the post is retried for up to `retry_seconds`; one cut off after
+        it was sent is retried only when `idempotent` (posting it twice is harmless)."""
+        never_sent: tuple[type[Exception], ...] = (httpx.ConnectError, httpx.ConnectTimeout)
+        cut_off: tuple[type[Exception], ...] = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+        retry = tenacity.Retrying(
+            stop=tenacity.stop_after_delay(retry_seconds),
+            wait=tenacity.wait_exponential(multiplier=0.1, min=0.1, max=2.0),
+            retry=tenacity.retry_if_exception(
+                lambda exc: isinstance(exc, never_sent) or (idempotent and isinstance(exc, cut_off))
+            ),
+            reraise=True,
+        )
+        response = retry(
+            httpx.post,
             self.event_url,
             json={"event_type": event_type, "data": data},
             headers={"Authorization": f"Bearer {self.key}"},
@@ -95,8 +120,8 @@ class AgentContext:
         return response.json()
 
     def report_reward(self, value: float) -> dict[str, Any]:
-        """Record the rollout's reward (the last one reported wins)."""
-        return self.emit("reward", {"value": float(value)})
+        """Record the rollout's reward (the last one reported wins, so a retry is harmless)."""
+        return self.emit("reward", {"value": float(value)}, idempotent=True)
 
 
 def report_reward(value: float) -> dict[str, Any]:

@@ -73,7 +73,10 @@ def train(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     # Only now: a bad config is reported without first importing torch and vLLM (seconds).
+    import httpx
+
     from rollover.engine.vllm_engine import EngineError
+    from rollover.gateway.server import GatewayDied
     from rollover.launch import run_training
 
     try:
@@ -83,6 +86,12 @@ def train(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     except EngineError as exc:
         print(f"rollover train: the inference engine failed: {exc}", file=sys.stderr)
+        return 1
+    except GatewayDied as exc:
+        print(f"rollover train: {exc}", file=sys.stderr)
+        return 1
+    except httpx.TransportError as exc:
+        print(f"rollover train: the gateway stopped answering: {exc!r}", file=sys.stderr)
         return 1
 
 

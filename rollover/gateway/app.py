@@ -40,6 +40,7 @@ from rollover.store.models import (
 from rollover.store.sqlite import RolloutStore, StoreError
 
 T = TypeVar("T")
+PAUSE_STATE_KEY, MODELS_STATE_KEY = "pause", "models"  # rows of the store's gateway_state
 PROXY_CALL_PATH = "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1/{endpoint:path}"
 
 
@@ -58,6 +59,20 @@ class GatewayState:
             raise ValueError("gateway.admin_key must be set to serve (generate one with auth.new_admin_key())")
         self.pause = ProxyPauseState(self.settings.gateway.retry_after_seconds)
         self.forwarder = Forwarder(self.store, self.registry, self.settings)
+        # A gateway started on an existing store (a restart after a crash) comes back as the
+        # last one left it: paused if it was, with the engines it knew.
+        saved_pause = self.store.gateway_state(PAUSE_STATE_KEY)
+        if isinstance(saved_pause, dict):
+            self.pause.restore(saved_pause)
+        saved_models = self.store.gateway_state(MODELS_STATE_KEY)
+        if isinstance(saved_models, list):
+            self.registry.upsert([ModelEndpoint.model_validate(m) for m in saved_models])
+
+    async def save_pause(self) -> None:
+        await self.store.save_gateway_state(PAUSE_STATE_KEY, self.pause.record())
+
+    async def save_models(self) -> None:
+        await self.store.save_gateway_state(MODELS_STATE_KEY, [e.model_dump() for e in self.registry.endpoints])
 
     @property
     def admin_key(self) -> str:
@@ -206,7 +221,8 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"status": "ok"}
+        # The instance token lets a launcher tell its own server from another that took the port.
+        return {"status": "ok", "instance": settings.instance}
 
     # -- store ----------------------------------------------------------------------------
 
@@ -275,6 +291,7 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         _require_admin(request)
         body = await _parse(request, _MODELS)
         state.registry.upsert(body if isinstance(body, list) else [body])
+        await state.save_models()
         return [e.model_dump() for e in state.registry.endpoints]
 
     @app.get("/api/models")
@@ -286,6 +303,7 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
     async def clear_models(request: Request) -> list[dict[str, Any]]:
         _require_admin(request)
         state.registry.endpoints = []
+        await state.save_models()
         return []
 
     # -- pause / drain --------------------------------------------------------------------
@@ -295,12 +313,16 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         _require_admin(request)
         body = await _parse(request, _PAUSE, empty=PauseRequest.model_validate({}))
         retry_after = state.retry_after_seconds if body.retry_after_seconds is None else body.retry_after_seconds
-        return (await state.pause.pause(body.reason, retry_after, body.expected_seconds)).model_dump()
+        paused = await state.pause.pause(body.reason, retry_after, body.expected_seconds)
+        await state.save_pause()  # acknowledged once durable: a restarted gateway is still paused
+        return paused.model_dump()
 
     @app.post("/proxy/resume")
     async def resume(request: Request) -> dict[str, Any]:
         _require_admin(request)
-        return (await state.pause.resume()).model_dump()
+        resumed = await state.pause.resume()
+        await state.save_pause()
+        return resumed.model_dump()
 
     @app.get("/proxy/state")
     async def proxy_state(request: Request, wait_drained: float | None = Query(None, ge=0, le=3600)) -> dict[str, Any]:

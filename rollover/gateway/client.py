@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any, Literal
 
 import httpx
 
 from rollover.gateway.auth import scoped_key
+from rollover.retry import RetryPolicy, call_with_retries
 from rollover.store.models import (
     Event,
     ModelEndpoint,
@@ -17,6 +19,14 @@ from rollover.store.models import (
     RolloutState,
     TripletBundle,
 )
+
+log = logging.getLogger("rollover.gateway.client")
+
+# Requests that are safe to send twice: one cut off mid-answer (the gateway died after reading
+# it) is retried too. Others are retried only when they never reached the gateway.
+_IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "PUT", "DELETE"})
+_NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+_CUT_OFF = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
 class GatewayError(Exception):
@@ -43,9 +53,13 @@ def is_transient(exc: BaseException) -> bool:
 
 
 class GatewayClient:
-    def __init__(self, base_url: str, admin_key: str, *, timeout: float = 30.0) -> None:
+    """`retry_seconds`: how long a call keeps retrying a gateway it cannot reach (a restart
+    takes seconds), with backoff; then the transport error is raised. 0 = no retries."""
+
+    def __init__(self, base_url: str, admin_key: str, *, timeout: float = 30.0, retry_seconds: float = 60.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.admin_key = admin_key
+        self.retry_seconds = retry_seconds
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             headers={"Authorization": f"Bearer {admin_key}"},
@@ -62,8 +76,23 @@ class GatewayClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
-        response = await self._http.request(method, path, **kwargs)
+    async def _send(self, method: str, path: str, idempotent: bool | None, **kwargs: Any) -> httpx.Response:
+        retry_cut_off = method in _IDEMPOTENT_METHODS if idempotent is None else idempotent
+
+        def unreachable(exc: BaseException) -> bool:
+            return isinstance(exc, _NEVER_SENT) or (retry_cut_off and isinstance(exc, _CUT_OFF))
+
+        if self.retry_seconds <= 0:
+            return await self._http.request(method, path, **kwargs)
+        policy = RetryPolicy(transient=unreachable, give_up_after=self.retry_seconds, first_wait=0.1, max_wait=2.0)
+        return await call_with_retries(
+            f"{method} {self.base_url}{path}", lambda: self._http.request(method, path, **kwargs), policy, log
+        )
+
+    async def _request(self, method: str, path: str, *, idempotent: bool | None = None, **kwargs: Any) -> Any:
+        """One API call, retried while the gateway is unreachable (see `retry_seconds`).
+        `idempotent`: whether sending it twice is harmless (default: by its method)."""
+        response = await self._send(method, path, idempotent, **kwargs)
         if response.status_code >= 400:
             try:
                 reason = response.json().get("reason", response.text)
@@ -94,7 +123,12 @@ class GatewayClient:
 
     async def enqueue(self, rollouts: Iterable[RolloutCreate | dict[str, Any]]) -> list[Rollout]:
         body = [r.model_dump(mode="json", exclude_none=True) if isinstance(r, RolloutCreate) else r for r in rollouts]
-        return [Rollout.model_validate(r) for r in await self._request("POST", "/api/rollouts", json=body)]
+        # Caller-chosen ids make the POST idempotent (an existing rollout is kept as is).
+        idempotent = all(r.get("rollout_id") for r in body)
+        return [
+            Rollout.model_validate(r)
+            for r in await self._request("POST", "/api/rollouts", json=body, idempotent=idempotent)
+        ]
 
     async def get_rollout(self, rollout_id: str) -> Rollout:
         return Rollout.model_validate(await self._request("GET", f"/api/rollouts/{rollout_id}"))
@@ -156,7 +190,10 @@ class GatewayClient:
 
     async def register_models(self, endpoints: Iterable[ModelEndpoint | dict[str, Any]]) -> list[ModelEndpoint]:
         body = [e.model_dump() if isinstance(e, ModelEndpoint) else e for e in endpoints]
-        return [ModelEndpoint.model_validate(e) for e in await self._request("POST", "/api/models", json=body)]
+        return [
+            ModelEndpoint.model_validate(e)
+            for e in await self._request("POST", "/api/models", json=body, idempotent=True)
+        ]
 
     async def clear_models(self) -> None:
         await self._request("DELETE", "/api/models")
@@ -166,10 +203,12 @@ class GatewayClient:
     ) -> ProxyState:
         """`retry_after_seconds`: None = the gateway's `gateway.retry_after_seconds`."""
         body = {"reason": reason, "retry_after_seconds": retry_after_seconds, "expected_seconds": expected_seconds}
-        return ProxyState.model_validate(await self._request("POST", "/proxy/pause", json=body, timeout=300))
+        return ProxyState.model_validate(
+            await self._request("POST", "/proxy/pause", json=body, timeout=300, idempotent=True)
+        )
 
     async def resume(self) -> ProxyState:
-        return ProxyState.model_validate(await self._request("POST", "/proxy/resume"))
+        return ProxyState.model_validate(await self._request("POST", "/proxy/resume", idempotent=True))
 
     async def proxy_state(self, wait_drained: float | None = None) -> ProxyState:
         params = {"wait_drained": wait_drained} if wait_drained else {}

@@ -116,6 +116,32 @@ class ProxyPauseState:
             self.inflight -= 1
             self._changed.notify_all()
 
+    def record(self) -> dict[str, Any]:
+        """What a restarted gateway needs to go on pausing as this one did (`restore`): the
+        flag, its reason and lengths, and the paused time so far; times as wall-clock times,
+        which outlive the process (a monotonic clock does not)."""
+        now, wall = time.monotonic(), time.time()
+        return {
+            "paused": self.paused,
+            "reason": self.reason,
+            "retry_after_seconds": self.retry_after_seconds,
+            "paused_total": self._paused_total,
+            "paused_since": None if self._paused_since is None else wall - (now - self._paused_since),
+            "expected_end": None if self._expected_end is None else wall + (self._expected_end - now),
+        }
+
+    def restore(self, record: dict[str, Any]) -> None:
+        """Take over a `record` saved by an earlier gateway on the same store. The time it was
+        down while paused counts as paused: the agents could not call either."""
+        now, wall = time.monotonic(), time.time()
+        self.paused = bool(record.get("paused"))
+        self.reason = record.get("reason")
+        self.retry_after_seconds = float(record.get("retry_after_seconds", self.retry_after_seconds))
+        self._paused_total = float(record.get("paused_total") or 0.0)
+        since, end = record.get("paused_since"), record.get("expected_end")
+        self._paused_since = None if since is None or not self.paused else now - max(0.0, wall - since)
+        self._expected_end = None if end is None or not self.paused else now + (end - wall)
+
 
 class UpstreamError(Exception):
     def __init__(self, status_code: int, reason: str) -> None:

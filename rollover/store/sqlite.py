@@ -81,6 +81,11 @@ CREATE TABLE IF NOT EXISTS events (
     created_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_rollout ON events(rollout_id, event_id);
+CREATE TABLE IF NOT EXISTS gateway_state (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL,
+    updated_at REAL NOT NULL
+);
 """
 
 MAX_GROUP = 512  # writes committed together at most (bounds one transaction's time)
@@ -357,6 +362,26 @@ class RolloutStore:
         if found is None:
             raise RolloutNotFound(f"rollout {rollout_id} not found")
         return found
+
+    # -- the gateway's own state ----------------------------------------------------------
+
+    def gateway_state(self, key: str) -> Any:
+        """A value the gateway saved with `save_gateway_state` (None if never saved): read once,
+        when a gateway starts on this store, so a restarted gateway resumes where it was."""
+        row = self._conn.execute("SELECT value FROM gateway_state WHERE key=?", (key,)).fetchone()
+        return None if row is None else codec.loads_lenient(row[0])
+
+    async def save_gateway_state(self, key: str, value: Any) -> None:
+        """Commits `value` under `key` (the pause state, the registered models). Writes are
+        committed in call order, so the last call's value is what a restart reads."""
+        encoded, now = _encode(value, key), time.time()
+        await self._write(
+            lambda conn: conn.execute(
+                "INSERT INTO gateway_state (key, value, updated_at) VALUES (?, ?, ?)"
+                " ON CONFLICT(key) DO UPDATE SET value=excluded.value, updated_at=excluded.updated_at",
+                (key, encoded, now),
+            )
+        )
 
     # -- rollouts -------------------------------------------------------------------------
 

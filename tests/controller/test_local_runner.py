@@ -299,7 +299,8 @@ async def test_controller_rides_out_a_gateway_that_starts_late(
     tmp_path: Path, controller: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     port = free_port()
-    async with GatewayClient(f"http://127.0.0.1:{port}", ADMIN_KEY) as late_client:
+    # No retries in the client: the controller's own loop is what rides the wait out here.
+    async with GatewayClient(f"http://127.0.0.1:{port}", ADMIN_KEY, retry_seconds=0) as late_client:
         async with controller(late_client, tmp_path, "RewardAgent"):
             await wait_until(lambda: sum("tick failed" in r.getMessage() for r in caplog.records) >= 2)
             with GatewayThread(admin_key=ADMIN_KEY, port=port):

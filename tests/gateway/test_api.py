@@ -22,7 +22,7 @@ def claim(admin, rollout_id, attempt_id="a1"):
 
 
 def test_healthz_needs_no_key(gateway):
-    assert httpx.get(f"{gateway.url}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{gateway.url}/healthz").json() == {"status": "ok", "instance": gateway.settings.instance}
 
 
 def test_create_get_list_patch_delete(admin):
