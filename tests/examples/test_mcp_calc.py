@@ -80,7 +80,7 @@ def test_mcp_calc_trains_async_through_the_system(tmp_path, calc_model, vllm_eng
         tmp_path,
         calc_model,
         "mcp-smoke",
-        2,
+        1,
         f"data.train_files={tmp_path / 'train.jsonl'}",
         "data.val_files=null",
         "data.train_batch_size=2",

@@ -210,7 +210,7 @@ def test_inflight_calls_finish_while_paused_and_wait_drained_returns_at_zero(gat
 
 
 def test_wait_drained_times_out_with_inflight(gateway, admin, registered):
-    registered.behaviour.delay_seconds = 3.0
+    registered.behaviour.delay_seconds = 6.0  # far longer than the wait, even on a busy machine
     rid = running_rollout(admin)
     thread = threading.Thread(
         target=lambda: httpx.post(
@@ -221,7 +221,7 @@ def test_wait_drained_times_out_with_inflight(gateway, admin, registered):
     wait_inflight(admin)
     started = time.monotonic()
     state = admin.get("/proxy/state", params={"wait_drained": 0.5}).json()
-    assert state["inflight"] == 1 and 0.4 < time.monotonic() - started < 2.5
+    assert state["inflight"] == 1 and time.monotonic() - started >= 0.4  # it waited, then gave up
     thread.join()
 
 
