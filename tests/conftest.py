@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +37,33 @@ def stub() -> Iterator[StubUpstream]:
 def admin(gateway: GatewayThread) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30) as client:
         yield client
+
+
+@pytest.fixture
+def foreign_server() -> Iterator[int]:
+    """Another program's HTTP server (the port-race tests): 200 and a body that looks like a
+    healthy gateway's and like vLLM's model list on every path; yields its port."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"status": "ok", "data": [{"id": "policy"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # -- one warmed-up calc model and one vLLM server for the whole session -------------------

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -27,12 +28,21 @@ from typing import Any, Literal
 import httpx
 
 from rollover.gateway.client import GatewayClient, GatewayError, is_transient
-from rollover.processes import child_pids, descendant_pids, free_port, group_alive, pid_alive, tail_lines
+from rollover.processes import (
+    child_pids,
+    descendant_pids,
+    free_port,
+    group_alive,
+    pid_alive,
+    port_taken,
+    tail_lines,
+)
 from rollover.retry import RetryPolicy, call_with_retries
 
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "rollover.engine.weights.RolloverWorkerExtension"
+PORT_ATTEMPTS = 5  # ports tried when the one picked is taken before vLLM binds it
 
 
 class EngineError(RuntimeError):
@@ -117,8 +127,12 @@ class VLLMEngine:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         self.model_dir = Path(model_dir).absolute()
         self.host = host
+        self.port_picked = not port  # ours to change if another server takes it first
         self.port = port or free_port(host)
         self.served_model_name = served_model_name
+        # A second served name, new at every start: readiness waits for a server that lists
+        # it, so another server that took the port is never taken for ours.
+        self.instance_name = ""
         self.max_model_len = max_model_len
         self.dtype = dtype
         self.kv_cache_space_gb = kv_cache_space_gb
@@ -198,6 +212,7 @@ class VLLMEngine:
             str(self.model_dir),
             "--served-model-name",
             self.served_model_name,
+            *([self.instance_name] if self.instance_name else []),
             "--dtype",
             self.dtype,
             "--max-model-len",
@@ -252,6 +267,7 @@ class VLLMEngine:
                     log_tail="",
                 )
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.instance_name = f"rollover-{secrets.token_hex(6)}"
             self._log_file = open(self.log_path, "ab")
             self._log_file.write(f"$ {' '.join(self.command())}\n".encode())
             self._log_file.flush()
@@ -281,25 +297,39 @@ class VLLMEngine:
         return EngineStartError(message, exit_code=code, log_tail=tail_lines(self.log_path, 40))
 
     def wait_ready(self, timeout_s: float | None = None) -> float:
-        """Block until `/health` and `/v1/models` answer; return seconds since `start()`.
+        """Block until `/health` and `/v1/models` answer, the models listing this start's
+        `instance_name` (the server on the port is ours); return seconds since `start()`.
 
-        Raises `EngineStartError` (and stops the engine) if the process exits or the
-        deadline passes.
+        A port this engine picked that another server took before vLLM bound it is given up
+        for another, and vLLM started again there (from this thread: call it from one that
+        lives as long as the engine, as for `start`). Raises `EngineStartError` (and stops
+        the engine) if the process exits otherwise or the deadline passes.
         """
         if self._proc is None:
             raise EngineError("engine not started")
         limit = self.start_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
+        ports_tried = 1
         with httpx.Client(timeout=5.0, trust_env=False) as client:
             while True:
                 code = self._proc.poll()
                 if code is not None:
-                    raise self._fail_start(f"vLLM exited with code {code} before it was ready")
+                    if not port_taken(self.host, self.port):
+                        raise self._fail_start(f"vLLM exited with code {code} before it was ready")
+                    if not self.port_picked or ports_tried >= PORT_ATTEMPTS:
+                        raise self._fail_start(f"vLLM's port {self.port} on {self.host} is taken by another server")
+                    taken, ports_tried = self.port, ports_tried + 1
+                    self.stop()
+                    self.port = free_port(self.host)
+                    log.warning("vLLM's port %d was taken by another server; starting it on %d", taken, self.port)
+                    self.start()
+                    deadline = time.monotonic() + limit
+                    continue
                 try:
                     if client.get(f"{self.server_url}/health").status_code == 200:
                         models = client.get(f"{self.base_url}/models")
                         ids = [m["id"] for m in models.json().get("data", [])]
-                        if models.status_code == 200 and self.served_model_name in ids:
+                        if models.status_code == 200 and self.instance_name in ids:
                             break
                 except (httpx.HTTPError, ValueError):
                     pass
@@ -322,14 +352,21 @@ class VLLMEngine:
         return f"vLLM exited with code {self._proc.returncode}; last lines of {self.log_path}:\n{tail_lines(self.log_path, 20)}"
 
     async def restart(self) -> float:
-        """Start the engine again (after a crash) on the same port, serving the weights and
-        `policy_version` it served before, and re-register it with the attached gateway.
+        """Start the engine again (after a crash) on the same port (another if it picked that
+        one and it was taken meanwhile), serving the weights and `policy_version` it served
+        before, and re-register it with the attached gateway.
         Returns the seconds it took."""
         started = time.monotonic()
         await asyncio.to_thread(self.stop)
         self._sleep_level = 0
+        served_before = self.base_url
         self.start()  # in the caller's thread: the parent-death signal is tied to it
         await asyncio.to_thread(self.wait_ready)
+        if self.base_url != served_before and self.gateway_url is not None:
+            # Its port was taken meanwhile: the gateway must stop sending calls to the old one.
+            # (Rollover runs one engine per gateway, so its registry is this engine's alone.)
+            async with GatewayClient(self.gateway_url, self._gateway_key or "") as client:
+                await client.clear_models()
         if self.weights_dir != self.model_dir:
             await self.load_weights(self.weights_dir, version=self.policy_version)
         elif self.gateway_url is not None:

@@ -4,10 +4,6 @@ its clients ride the gap out, and a port taken by another server is not mistaken
 from __future__ import annotations
 
 import asyncio
-import http.server
-import json
-import threading
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -113,32 +109,6 @@ async def test_the_watchdog_restarts_a_killed_gateway_on_its_port_and_gives_up_a
             await watchdog.check()
     finally:
         gateway.stop()
-
-
-@pytest.fixture
-def foreign_server() -> Iterator[int]:
-    """Another program's HTTP server: 200 and a plausible body on every path."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = json.dumps({"status": "ok", "data": [{"id": "policy"}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_picked_port_taken_by_another_server_is_given_up_for_another(tmp_path, foreign_server, monkeypatch):
