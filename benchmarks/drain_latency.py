@@ -303,7 +303,7 @@ async def run_async(settings: Settings) -> Report:
                 await client.register_models([{"model": "policy", "endpoint": f"http://127.0.0.1:{port}/v1"}])
                 rollout_id = await running_rollout(client)
                 base_url = client.proxy_base_url(rollout_id, "a1")
-                key = client.scoped_key(rollout_id)
+                key = client.scoped_key(rollout_id, "a1")
                 headers = {"Authorization": f"Bearer {key}"}
                 baseline = await baseline_latency(base_url, key)
                 detection = await measure_detection(client, http, f"{base_url}/chat/completions", headers, settings)

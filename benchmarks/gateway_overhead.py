@@ -141,16 +141,19 @@ def start_rollover(stack: ExitStack, upstream: str, folder: str) -> Gateway:
         url=gateway.url,
         pid=gateway.process.pid,
         admin_headers={"Authorization": f"Bearer {KEY}"},
-        agent_headers=lambda rid: {"Authorization": f"Bearer {scoped_key(KEY, rid)}"},
+        agent_headers=lambda rid: {"Authorization": f"Bearer {scoped_key(KEY, rid, ATTEMPT)}"},
         model_body=[{"model": MODEL, "endpoint": upstream}],
     )
 
 
 def start_baseline(stack: ExitStack, root: str, upstream: str, folder: str) -> Gateway:
-    """Rollover's gateway from another source tree, with the settings this tree would give it."""
+    """Rollover's gateway from another source tree, with its own defaults. It is started with
+    the flags every tree has (settings JSON would carry keys an older tree does not know)."""
     settings = resolve(GatewaySettings.from_config(store=f"{folder}/baseline.db", admin_key=KEY))
+    gateway = settings.gateway
+    flags = ["--host", gateway.host, "--port", str(gateway.port), "--store", f"{folder}/baseline.db", "--key", KEY]
     process = subprocess.Popen(
-        [sys.executable, "-m", "rollover.cli.main", "gateway", "--settings", settings.model_dump_json()],
+        [sys.executable, "-m", "rollover.cli.main", "gateway", *flags],
         env=os.environ | {"PYTHONPATH": root},
         cwd=root,
         stdout=subprocess.DEVNULL,
@@ -166,7 +169,8 @@ def start_baseline(stack: ExitStack, root: str, upstream: str, folder: str) -> G
         url=url,
         pid=process.pid,
         admin_headers={"Authorization": f"Bearer {KEY}"},
-        agent_headers=lambda rid: {"Authorization": f"Bearer {scoped_key(KEY, rid)}"},
+        # its scoped keys may follow another scheme (per rollout before per attempt): the admin key
+        agent_headers=lambda rid: {"Authorization": f"Bearer {KEY}"},
         model_body=[{"model": MODEL, "endpoint": upstream}],
     )
 

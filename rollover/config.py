@@ -164,6 +164,20 @@ class GatewayConfig(_Section):
     upstream_timeout_seconds: float = Field(default=600, gt=0, description="one engine call, at most")
     upstream_retries: int = Field(default=3, ge=0, description="retries of an engine call on 5xx or timeout")
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    max_json_depth: int = Field(
+        default=64, ge=1, le=200, description="request bodies nested deeper than this get 400 (the store keeps 254)"
+    )
+    max_connections: int = Field(
+        default=512, gt=0, description="open client connections at most; more are closed as they are accepted"
+    )
+    header_timeout_seconds: float = Field(
+        default=10, gt=0, description="a connection that has not sent a request's headers in this time is closed"
+    )
+    keep_alive_seconds: int = Field(default=30, ge=1, description="an idle keep-alive connection is closed after this")
+    sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
+        default="NORMAL",
+        description="NORMAL: acknowledged writes survive a process kill; FULL: a power loss too (an fsync per commit)",
+    )
     drain_timeout_seconds: float = Field(
         default=300, gt=0, description="a drain slower than this is an error naming the stuck rollouts"
     )

@@ -21,10 +21,10 @@ def gateway(args: argparse.Namespace) -> int:
 
     flags = {"host": args.host, "port": args.port, "store": args.store, "admin_key": args.key}
     try:
-        if args.settings is not None:
+        if args.settings_stdin:
             if args.config or args.overrides:
-                raise UsageError("--settings is the whole settings: no --config or key=value overrides with it")
-            settings = GatewaySettings.model_validate_json(args.settings)
+                raise UsageError("--settings-stdin is the whole settings: no --config or key=value overrides with it")
+            settings = GatewaySettings.model_validate_json(sys.stdin.buffer.read())
         else:
             settings = GatewaySettings.from_config(load_config(args.config, args.overrides))
             settings = settings.with_gateway(store=settings.gateway.store_path("."))

@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     gateway.add_argument("--store", help=_gateway_help("store"))
     gateway.add_argument("--key", help=f"admin key: {_gateway_help('admin_key')}")
     gateway.add_argument("--config", default=None, help="YAML config whose gateway section and temperatures are used")
-    gateway.add_argument("--settings", default=None, help=argparse.SUPPRESS)  # GatewayProcess: GatewaySettings JSON
+    # GatewayProcess: the GatewaySettings JSON on stdin (so the admin key is not in argv)
+    gateway.add_argument("--settings-stdin", action="store_true", help=argparse.SUPPRESS)
     gateway.add_argument("--log-level", default=None, help="uvicorn's log level (default: warnings and errors)")
     gateway.add_argument("overrides", nargs="*", help="key=value overrides, e.g. gateway.max_body_bytes=1000000")
     gateway.set_defaults(run=commands.gateway)

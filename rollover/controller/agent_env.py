@@ -52,7 +52,7 @@ def agent_env(
     env = {
         "AGL_OPENAI_BASE_URL": proxy_url,
         "AGL_EVENT_URL": event_url,
-        "AGL_KEY": client.scoped_key(rid),
+        "AGL_KEY": client.scoped_key(rid, attempt_id),
         "AGL_ROLLOUT_ID": rid,
         "AGL_ATTEMPT_ID": attempt_id,
         "AGL_ROLLOUT_INPUT": json.dumps(rollout.input),

@@ -8,10 +8,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import TypeAdapter, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -27,6 +29,7 @@ from rollover.gateway.proxy import (
     sse_from_response,
 )
 from rollover.store.models import (
+    PROXY_EVENT_TYPES,
     Event,
     EventCreate,
     ModelEndpoint,
@@ -37,7 +40,7 @@ from rollover.store.models import (
     StatusPatch,
     trimmed_for_training,
 )
-from rollover.store.sqlite import RolloutStore, StoreError
+from rollover.store.sqlite import RolloutNotFound, RolloutStore, StoreError
 
 T = TypeVar("T")
 PAUSE_STATE_KEY, MODELS_STATE_KEY = "pause", "models"  # rows of the store's gateway_state
@@ -129,6 +132,10 @@ class BodyLimitMiddleware:
         await response(scope, receive, send)
 
 
+# Keys are checked first, before the body or the query is looked at: FastAPI routes take the
+# checks below as dependencies, which it runs before it validates their parameters.
+
+
 def _require_admin(request: Request) -> None:
     state: GatewayState = request.app.state.gateway
     key = auth.presented_key(request)
@@ -136,11 +143,40 @@ def _require_admin(request: Request) -> None:
         _refuse_key(key, "this endpoint needs the admin key")
 
 
-def _require_rollout_access(request: Request, rollout_id: str) -> None:
+def _require_rollout_access(request: Request) -> None:
+    """Reading a rollout: the admin key, or the scoped key of any of its attempts."""
+    state: GatewayState = request.app.state.gateway
+    rollout_id = request.path_params["rollout_id"]
+    key = auth.presented_key(request)
+    if auth.is_admin(state.admin_key, key):
+        return
+    try:
+        attempts = state.store.snapshot(rollout_id).attempts
+    except RolloutNotFound:
+        attempts = ()
+    if auth.scoped_attempt(state.admin_key, key, rollout_id, attempts) is None:
+        _refuse_key(key, f"the key is not valid for rollout {rollout_id}")
+
+
+def _require_attempt_writer(request: Request, rollout_id: str, attempt_id: str) -> None:
+    """Writing into an attempt (events, proxy calls): the admin key, or the attempt's own
+    scoped key while that attempt is the rollout's running one."""
     state: GatewayState = request.app.state.gateway
     key = auth.presented_key(request)
-    if not auth.may_access_rollout(state.admin_key, key, rollout_id):
-        _refuse_key(key, f"the key is not valid for rollout {rollout_id}")
+    if auth.is_admin(state.admin_key, key):
+        return
+    if not auth.is_attempt_key(state.admin_key, key, rollout_id, attempt_id):
+        _refuse_key(key, f"the key is not valid for attempt {attempt_id} of rollout {rollout_id}")
+    rollout = state.store.snapshot(rollout_id)
+    if rollout.state != RolloutState.RUNNING or rollout.last_attempt_id != attempt_id:
+        now = (
+            f"running attempt {rollout.last_attempt_id}"
+            if rollout.state == RolloutState.RUNNING
+            else rollout.state.value
+        )
+        raise HTTPException(
+            409, f"attempt {attempt_id} of rollout {rollout_id} is over (the rollout is {now}): its key writes no more"
+        )
 
 
 def _refuse_key(key: str | None, reason: str) -> None:
@@ -154,10 +190,15 @@ def _refuse_key(key: str | None, reason: str) -> None:
 async def _json_body(request: Request) -> Any:
     """The body as JSON whatever the Content-Type says (agents and curl are not always careful)."""
     raw = await request.body()
+    depth = request.app.state.gateway.settings.gateway.max_json_depth
     try:
-        return codec.loads(raw)
+        return codec.loads(raw, max_depth=depth)
     except codec.JSONCodecError as exc:
-        raise HTTPException(400, f"body is not valid JSON: {exc}") from None
+        raise HTTPException(
+            400,
+            f"body refused: {exc}. Send standard JSON: no NaN or Infinity, no lone surrogates,"
+            f" at most {depth} levels deep (gateway.max_json_depth)",
+        ) from None
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
@@ -202,17 +243,33 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         if close_store:
             store.close()
 
-    app = FastAPI(title="Rollover gateway", lifespan=lifespan)
+    # The schema and its pages are served below, behind the admin key like everything but /healthz.
+    app = FastAPI(title="Rollover gateway", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.gateway = state
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.gateway.max_body_bytes)
+    admin_only = [Depends(_require_admin)]
+    rollout_reader = [Depends(_require_rollout_access)]
 
-    @app.exception_handler(HTTPException)
-    async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, _ERROR_NAMES.get(exc.status_code, "error"), str(exc.detail), exc.headers)
+    @app.exception_handler(StarletteHTTPException)  # the routes' and the router's own (404, 405)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        reason = str(exc.detail)
+        if type(exc) is StarletteHTTPException:  # the router's: no route, or not this method
+            where = f"{request.method} {request.url.path}"
+            allowed = (exc.headers or {}).get("Allow")
+            reason = f"no endpoint {where} (allowed here: {allowed})" if allowed else f"no endpoint {where}"
+        return error_response(exc.status_code, _ERROR_NAMES.get(exc.status_code, "error"), reason, exc.headers)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette still logs the traceback; the client gets the gateway's error shape.
+        return error_response(500, "internal error", f"{type(exc).__name__}: {exc} (see the gateway's log)")
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        reasons = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        reasons = []
+        for error in exc.errors():
+            where, message = ".".join(str(p) for p in error["loc"]), str(error["msg"]).removeprefix("Value error, ")
+            reasons.append(f"{where}: {message}" if where else message)
         return error_response(422, "invalid request", "; ".join(reasons))
 
     @app.exception_handler(StoreError)
@@ -224,50 +281,66 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         # The instance token lets a launcher tell its own server from another that took the port.
         return {"status": "ok", "instance": settings.instance}
 
+    @app.get("/openapi.json", include_in_schema=False, dependencies=admin_only)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=admin_only)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="Rollover gateway")
+
+    @app.get("/redoc", include_in_schema=False, dependencies=admin_only)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title="Rollover gateway")
+
     # -- store ----------------------------------------------------------------------------
 
-    @app.post("/api/rollouts", status_code=201)
+    @app.post("/api/rollouts", status_code=201, dependencies=admin_only)
     async def create_rollouts(request: Request) -> Response:
-        _require_admin(request)
         body = await _parse(request, _ROLLOUTS)
         items = body if isinstance(body, list) else [body]
         return _json(_ROLLOUT_LIST.dump_json(await store.add_rollouts(items)), 201)
 
-    @app.get("/api/rollouts")
+    @app.get("/api/rollouts", dependencies=admin_only)
     async def list_rollouts(
         request: Request,
         state_in: list[RolloutState] | None = Query(None),
         rollout_id: list[str] | None = Query(None),
         limit: int | None = Query(None, ge=1, le=100000),
     ) -> Response:
-        _require_admin(request)
         rollouts = await store.list_rollouts(state_in=state_in, rollout_ids=rollout_id, limit=limit)
         return _json(_ROLLOUT_LIST.dump_json(rollouts))
 
-    @app.get("/api/rollouts/{rollout_id}")
+    @app.get("/api/rollouts/{rollout_id}", dependencies=rollout_reader)
     async def get_rollout(request: Request, rollout_id: str) -> Response:
-        _require_rollout_access(request, rollout_id)
         return _json((await store.get_rollout(rollout_id)).model_dump_json())
 
-    @app.patch("/api/rollouts/{rollout_id}")
+    @app.patch("/api/rollouts/{rollout_id}", dependencies=admin_only)
     async def patch_rollout(request: Request, rollout_id: str) -> Response:
-        _require_admin(request)
         body = await _parse(request, _STATUS_PATCH)
         return _json((await store.update_status(rollout_id, body.status)).model_dump_json())
 
-    @app.delete("/api/rollouts/{rollout_id}")
+    @app.delete("/api/rollouts/{rollout_id}", dependencies=admin_only)
     async def delete_rollout(request: Request, rollout_id: str) -> dict[str, Any]:
-        _require_admin(request)
         await store.delete_rollout(rollout_id)
         return {"deleted": rollout_id}
 
     async def add_event(request: Request) -> Response:
         rollout_id, attempt_id = request.path_params["rollout_id"], request.path_params["attempt_id"]
-        _require_rollout_access(request, rollout_id)
+        _require_attempt_writer(request, rollout_id, attempt_id)
         body = await _parse(request, _EVENT)
+        if body.event_type in PROXY_EVENT_TYPES:
+            # They are the recorded calls whose token ids and logprobs training reads: only the
+            # proxy writes them, with any key (nothing in Rollover posts them; a forged one
+            # would reach training).
+            raise HTTPException(
+                403,
+                f"{body.event_type!r} events are written only by the gateway's proxy: make the model call"
+                " through /proxy/rollout/.../openai/v1 and post events of your own types",
+            )
         return _json((await store.add_event(rollout_id, attempt_id, body)).model_dump_json(), 201)
 
-    @app.get("/api/rollouts/{rollout_id}/events")
+    @app.get("/api/rollouts/{rollout_id}/events", dependencies=rollout_reader)
     async def list_events(
         request: Request,
         rollout_id: str,
@@ -275,7 +348,6 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         attempt_id: str | None = None,
         format: Literal["raw", "triplet", "samples"] = "raw",
     ) -> Response:
-        _require_rollout_access(request, rollout_id)
         if format == "samples":  # Rollover's view: per call token ids, logprobs, version; the reward
             return _json((await store.triplets(rollout_id, attempt_id)).model_dump_json())
         events = await store.list_events(rollout_id, event_type=event_type or None, attempt_id=attempt_id)
@@ -286,63 +358,58 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
 
     # -- models ---------------------------------------------------------------------------
 
-    @app.post("/api/models", status_code=201)
+    @app.post("/api/models", status_code=201, dependencies=admin_only)
     async def register_models(request: Request) -> list[dict[str, Any]]:
-        _require_admin(request)
         body = await _parse(request, _MODELS)
         state.registry.upsert(body if isinstance(body, list) else [body])
         await state.save_models()
         return [e.model_dump() for e in state.registry.endpoints]
 
-    @app.get("/api/models")
+    @app.get("/api/models", dependencies=admin_only)
     async def list_models(request: Request) -> list[dict[str, Any]]:
-        _require_admin(request)
         return [e.model_dump() for e in state.registry.endpoints]
 
-    @app.delete("/api/models")
+    @app.delete("/api/models", dependencies=admin_only)
     async def clear_models(request: Request) -> list[dict[str, Any]]:
-        _require_admin(request)
         state.registry.endpoints = []
         await state.save_models()
         return []
 
     # -- pause / drain --------------------------------------------------------------------
 
-    @app.post("/proxy/pause")
+    @app.post("/proxy/pause", dependencies=admin_only)
     async def pause(request: Request) -> dict[str, Any]:
-        _require_admin(request)
         body = await _parse(request, _PAUSE, empty=PauseRequest.model_validate({}))
         retry_after = state.retry_after_seconds if body.retry_after_seconds is None else body.retry_after_seconds
         paused = await state.pause.pause(body.reason, retry_after, body.expected_seconds)
         await state.save_pause()  # acknowledged once durable: a restarted gateway is still paused
         return paused.model_dump()
 
-    @app.post("/proxy/resume")
+    @app.post("/proxy/resume", dependencies=admin_only)
     async def resume(request: Request) -> dict[str, Any]:
-        _require_admin(request)
         resumed = await state.pause.resume()
         await state.save_pause()
         return resumed.model_dump()
 
-    @app.get("/proxy/state")
+    @app.get("/proxy/state", dependencies=admin_only)
     async def proxy_state(request: Request, wait_drained: float | None = Query(None, ge=0, le=3600)) -> dict[str, Any]:
-        _require_admin(request)
         return (await state.pause.state(wait_drained)).model_dump()
 
     # -- the proxy ------------------------------------------------------------------------
 
-    @app.get("/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1/models")
+    @app.get(
+        "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1/models", dependencies=rollout_reader
+    )
     async def proxy_models(
         request: Request, rollout_id: str, attempt_id: str, mode: Literal["train", "val"]
     ) -> dict[str, Any]:
-        _require_rollout_access(request, rollout_id)
         names = sorted({e.model for e in state.registry.endpoints})
         return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "rollover"} for n in names]}
 
     async def proxy(request: Request) -> Response:
         params = request.path_params
         rollout_id, attempt_id, mode, endpoint = (params[k] for k in ("rollout_id", "attempt_id", "mode", "endpoint"))
-        _require_rollout_access(request, rollout_id)
+        _require_attempt_writer(request, rollout_id, attempt_id)
         if mode not in ("train", "val"):
             raise RequestValidationError([{"loc": ("path", "mode"), "msg": "Input should be 'train' or 'val'"}])
         if endpoint not in ENDPOINTS:
@@ -423,7 +490,9 @@ _ERROR_NAMES = {
     409: "conflict",
     413: "request too large",
     422: "invalid request",
+    405: "method not allowed",
     429: "gateway paused",
     502: "upstream error",
+    500: "internal error",
     503: "upstream unavailable",
 }

@@ -1,7 +1,10 @@
-"""Admin and per-rollout scoped keys.
+"""Admin and per-attempt scoped keys.
 
-A scoped key is an HMAC of the rollout id under the admin key: the gateway can check it
-without storing anything, and it keeps working across gateway restarts.
+A scoped key is an HMAC of a rollout id and one of its attempt ids under the admin key: the
+gateway can check it without storing anything, it keeps working across gateway restarts, and
+it opens only that attempt. The gateway lets it write (events, proxy calls) only while its
+attempt is the rollout's running one, so an agent whose attempt ended cannot write into the
+next attempt, nor keep writing into its own.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Iterable
 
 from fastapi import Request
 
@@ -19,8 +23,10 @@ def new_admin_key() -> str:
     return "ak-" + secrets.token_urlsafe(24)
 
 
-def scoped_key(admin_key: str, rollout_id: str) -> str:
-    digest = hmac.new(admin_key.encode(), rollout_id.encode(), hashlib.sha256).hexdigest()
+def scoped_key(admin_key: str, rollout_id: str, attempt_id: str) -> str:
+    """The key an agent running `attempt_id` of `rollout_id` gets (`AGL_KEY`)."""
+    message = f"{len(rollout_id)}:{rollout_id}:{attempt_id}"  # length-prefixed: no two pairs collide
+    digest = hmac.new(admin_key.encode(), message.encode(), hashlib.sha256).hexdigest()
     return SCOPED_PREFIX + digest[:40]
 
 
@@ -37,7 +43,13 @@ def is_admin(admin_key: str, key: str | None) -> bool:
     return key is not None and hmac.compare_digest(key.encode(), admin_key.encode())
 
 
-def may_access_rollout(admin_key: str, key: str | None, rollout_id: str) -> bool:
-    if key is None:
+def is_attempt_key(admin_key: str, key: str | None, rollout_id: str, attempt_id: str) -> bool:
+    """Whether `key` is the scoped key of exactly this attempt."""
+    if key is None or not key.startswith(SCOPED_PREFIX):
         return False
-    return is_admin(admin_key, key) or hmac.compare_digest(key.encode(), scoped_key(admin_key, rollout_id).encode())
+    return hmac.compare_digest(key.encode(), scoped_key(admin_key, rollout_id, attempt_id).encode())
+
+
+def scoped_attempt(admin_key: str, key: str | None, rollout_id: str, attempt_ids: Iterable[str]) -> str | None:
+    """The attempt among `attempt_ids` whose scoped key `key` is, if any."""
+    return next((a for a in attempt_ids if is_attempt_key(admin_key, key, rollout_id, a)), None)

@@ -110,8 +110,9 @@ class GatewayClient:
     def event_url(self, rollout_id: str, attempt_id: str) -> str:
         return f"{self.base_url}/api/rollouts/{rollout_id}/attempt/{attempt_id}/events"
 
-    def scoped_key(self, rollout_id: str) -> str:
-        return scoped_key(self.admin_key, rollout_id)
+    def scoped_key(self, rollout_id: str, attempt_id: str) -> str:
+        """The key of one attempt: it opens that attempt's proxy path and events only."""
+        return scoped_key(self.admin_key, rollout_id, attempt_id)
 
     # -- store ----------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import aiohttp
 from rollover import codec
 from rollover.config import GatewaySettings
 from rollover.store.models import ModelEndpoint, ProxyState
-from rollover.store.sqlite import RolloutStore
+from rollover.store.sqlite import InvalidValue, RolloutStore
 
 Mode = Literal["train", "val"]
 ENDPOINTS = ("chat/completions", "completions")
@@ -210,11 +210,19 @@ def extract_tokens(endpoint: str, response: dict[str, Any]) -> dict[str, Any]:
     else:
         prompt_ids = choice.get("prompt_token_ids")
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+    if logprobs is not None and not all(_finite(x) for x in logprobs):
+        # A NaN or infinite logprob is no behaviour logprob: the call is kept as one recorded
+        # without logprobs (the trainer's documented case), not with nulls in the list.
+        logprobs = None
     return {
         "prompt_token_ids": prompt_ids,
         "response_token_ids": choice.get("token_ids"),
         "response_logprobs": logprobs,
     }
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def sse_from_response(endpoint: str, response: dict[str, Any]) -> bytes:
@@ -332,9 +340,15 @@ class Forwarder:
             status_code = response.status
         latency = time.monotonic() - started
         try:
-            data = codec.loads_lenient(raw)
+            data = codec.loads(raw)
         except codec.JSONCodecError:
-            raise UpstreamError(502, f"upstream returned non-JSON: {raw[:300].decode(errors='replace')}") from None
+            # Python-made JSON may carry NaN (a logprob): the agent gets it as standard JSON
+            # (NaN as null, as the event stores it), and anything else is the engine's fault.
+            try:
+                data = codec.loads_lenient(raw)
+                raw = codec.dumps(data)
+            except codec.JSONCodecError:
+                raise UpstreamError(502, f"upstream returned non-JSON: {raw[:300].decode(errors='replace')}") from None
         if not isinstance(data, dict):
             raise UpstreamError(502, "upstream returned a JSON value that is not an object")
         record = {
@@ -350,5 +364,8 @@ class Forwarder:
         }
         if status_code == 200:
             record.update(extract_tokens(endpoint, data))
-        await self.store.record_event(rollout_id, attempt_id, "model_request", record)
+        try:
+            await self.store.record_event(rollout_id, attempt_id, "model_request", record)
+        except InvalidValue as exc:  # e.g. nested deeper than JSON is stored
+            raise UpstreamError(502, f"the engine's answer cannot be recorded: {exc}") from None
         return status_code, raw, data

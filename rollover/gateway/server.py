@@ -19,6 +19,7 @@ import uvicorn
 from rollover.config import GatewaySettings
 from rollover.gateway.app import create_app
 from rollover.gateway.auth import new_admin_key
+from rollover.gateway.connections import bounded_protocol
 from rollover.processes import die_with_parent, free_port, port_taken
 from rollover.store.sqlite import RolloutStore
 
@@ -67,14 +68,15 @@ def build_server(settings: GatewaySettings, log_level: str | None = None) -> uvi
     gateway = settings.gateway
     if not gateway.port or not gateway.store:
         raise ValueError("build_server needs resolved settings: a port and a store (see resolve())")
-    app = create_app(RolloutStore(gateway.store), settings, close_store=True)
+    app = create_app(RolloutStore(gateway.store, synchronous=gateway.sqlite_synchronous), settings, close_store=True)
     config = uvicorn.Config(
         app,
         host=gateway.host,
         port=gateway.port,
         log_level=log_level or "warning",
         access_log=False,
-        timeout_keep_alive=30,
+        timeout_keep_alive=gateway.keep_alive_seconds,
+        http=bounded_protocol(gateway.max_connections, gateway.header_timeout_seconds),
         backlog=4096,
     )
     return uvicorn.Server(config)
@@ -162,8 +164,11 @@ class GatewayThread(_Resolved):
 
 
 class GatewayProcess(_Resolved):
-    """The gateway as a child process (`rollover gateway --settings JSON`), so trainer work
-    never blocks it. `settings` and keyword arguments as for `GatewayThread`."""
+    """The gateway as a child process (`rollover gateway --settings-stdin`), so trainer work
+    never blocks it. `settings` and keyword arguments as for `GatewayThread`.
+
+    The settings, admin key included, go to the child through a pipe on its stdin: nothing
+    in its argv (which every local user can read in /proc/PID/cmdline) or its environment."""
 
     def __init__(
         self, settings: GatewaySettings | None = None, *, log_path: str | Path | None = None, **gateway: Any
@@ -216,16 +221,20 @@ class GatewayProcess(_Resolved):
 
     def _spawn(self) -> None:
         self.settings = self.settings.model_copy(update={"instance": new_instance()})
-        args = [sys.executable, "-m", "rollover.cli.main", "gateway", "--settings", self.settings.model_dump_json()]
+        args = [sys.executable, "-m", "rollover.cli.main", "gateway", "--settings-stdin"]
         log_file = open(self.log_path, "ab") if self.log_path else None
         try:
             self.process = subprocess.Popen(
                 args,
+                stdin=subprocess.PIPE,
                 stdout=log_file or subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )
+            assert self.process.stdin is not None  # a pipe, asked for above
+            with self.process.stdin as pipe:
+                pipe.write(self.settings.model_dump_json().encode())
         finally:
             if log_file is not None:
                 log_file.close()

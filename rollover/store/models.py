@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Any
 
@@ -119,9 +120,27 @@ class Rollout(_Wire):
         return self.state == RolloutState.FAILED and (self.status.error_message or "").startswith(ABORTED_PREFIX)
 
 
+# Event types only the gateway's proxy writes: the recorded calls training reads.
+PROXY_EVENT_TYPES = frozenset({"model_request"})
+
+
 class EventCreate(_Wire):
     event_type: str = Field(min_length=1, max_length=200)
     data: Any = None
+
+    @model_validator(mode="after")
+    def _reward_is_a_number(self) -> EventCreate:
+        # Agent Lightning's RewardData: `value: float`, required. A reward that is not a finite
+        # number would be read as "no reward" and bury an earlier valid one.
+        if self.event_type == "reward":
+            value = self.data.get("value") if isinstance(self.data, dict) else None
+            if not _finite_number(value):
+                raise ValueError(f'a reward\'s data must be {{"value": <finite number>}}, got {self.data!r:.200}')
+        return self
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class Event(_Wire):

@@ -547,7 +547,12 @@ class RolloutStore:
         now = time.time()
 
         def add(conn: sqlite3.Connection) -> int:
-            if attempt_id not in self.snapshot(rollout_id).attempts:
+            rollout = self.snapshot(rollout_id)
+            if rollout.state.terminal:
+                raise IllegalTransition(
+                    f"rollout {rollout_id} is already {rollout.state.value}: it takes no more events"
+                )
+            if attempt_id not in rollout.attempts:
                 raise AttemptNotFound(f"rollout {rollout_id} has no attempt {attempt_id}")
             event_id = conn.execute(_INSERT_EVENT, (rollout_id, attempt_id, event_type, encoded, now)).lastrowid
             assert event_id is not None  # set by every INSERT

@@ -17,7 +17,7 @@ def agent_env(gateway, rollout_id):
     return {
         "AGL_OPENAI_BASE_URL": f"{gateway.url}/proxy/rollout/{rollout_id}/attempt/a1/mode/train/openai/v1",
         "AGL_EVENT_URL": f"{gateway.url}/api/rollouts/{rollout_id}/attempt/a1/events",
-        "AGL_KEY": scoped_key(ADMIN_KEY, rollout_id),
+        "AGL_KEY": scoped_key(ADMIN_KEY, rollout_id, "a1"),
     }
 
 

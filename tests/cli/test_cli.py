@@ -124,7 +124,7 @@ def test_gateway_alone_takes_its_defaults_from_the_config(tmp_path):
     [
         (["--port", "70000"], "config key 'gateway.port'"),
         (["gateway.upstream_retries=-1"], "config key 'gateway.upstream_retries'"),
-        (["--settings", "{}", "gateway.port=1"], "--settings"),
+        (["--settings-stdin", "gateway.port=1"], "--settings-stdin"),
     ],
 )
 def test_gateway_bad_settings_are_exit_2_with_one_line(args, needle):

@@ -190,7 +190,7 @@ async def test_job_manifest_is_the_template_plus_forced_fields(
                 "value": f"{POD_GATEWAY}/proxy/rollout/{rollout_id}/attempt/a1/mode/train/openai/v1",
             },
             {"name": "AGL_EVENT_URL", "value": f"{POD_GATEWAY}/api/rollouts/{rollout_id}/attempt/a1/events"},
-            {"name": "AGL_KEY", "value": client.scoped_key(rollout_id)},
+            {"name": "AGL_KEY", "value": client.scoped_key(rollout_id, "a1")},
             {"name": "AGL_ROLLOUT_ID", "value": rollout_id},
             {"name": "AGL_ATTEMPT_ID", "value": "a1"},
             {"name": "AGL_ROLLOUT_INPUT", "value": json.dumps({"question": question})},

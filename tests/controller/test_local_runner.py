@@ -227,7 +227,7 @@ async def test_env_contract_and_env_map(
     env = event.data
     assert env["AGL_OPENAI_BASE_URL"] == f"{gateway.url}/proxy/rollout/{train_id}/attempt/a1/mode/train/openai/v1"
     assert env["AGL_EVENT_URL"] == f"{gateway.url}/api/rollouts/{train_id}/attempt/a1/events"
-    assert env["AGL_KEY"] == client.scoped_key(train_id)
+    assert env["AGL_KEY"] == client.scoped_key(train_id, "a1")
     assert (env["AGL_ROLLOUT_ID"], env["AGL_ATTEMPT_ID"]) == (train_id, "a1")
     assert json.loads(env["AGL_ROLLOUT_INPUT"]) == input
     assert env["QUESTION"] == "2+2?" and env["FIRST"] == "x" and env["COUNT"] == "4"

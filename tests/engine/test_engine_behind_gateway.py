@@ -25,7 +25,9 @@ def running_rollout(gateway):
 def call(gateway, rid, mode="val", **extra):
     url = f"{gateway.url}/proxy/rollout/{rid}/attempt/a1/mode/{mode}/openai/v1/chat/completions"
     body = {"messages": PROMPT, "max_tokens": 12, **extra}
-    return httpx.post(url, json=body, headers={"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid)}"}, timeout=120)
+    return httpx.post(
+        url, json=body, headers={"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid, 'a1')}"}, timeout=120
+    )
 
 
 async def test_recorded_calls_and_weight_update_through_the_gateway(vllm_engine, tiny_model_dir, tmp_path):

@@ -87,7 +87,7 @@ async def test_kill_mid_request_is_a_json_error_swept_and_the_watchdog_restores_
             await http.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running"}}, headers=admin)
             url = f"/proxy/rollout/{rid}/attempt/a1/mode/train/openai/v1/chat/completions"
             body = {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 8}
-            agent = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid)}"}
+            agent = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid, 'a1')}"}
 
             # Freeze the API server so the call is surely in flight when it dies.
             family = engine_family(engine)

@@ -125,7 +125,7 @@ async def test_example_agent_runs_as_a_job(example: Example, client: GatewayClie
         env = env_of(container)
         assert env["AGL_OPENAI_BASE_URL"] == f"{POD_GATEWAY}/proxy/rollout/{done_id}/attempt/a1/mode/train/openai/v1"
         assert env["AGL_EVENT_URL"] == f"{POD_GATEWAY}/api/rollouts/{done_id}/attempt/a1/events"
-        assert env["AGL_KEY"] == client.scoped_key(done_id)
+        assert env["AGL_KEY"] == client.scoped_key(done_id, "a1")
         assert env["AGL_ROLLOUT_ID"] == done_id and env["AGL_ATTEMPT_ID"] == "a1"
         assert json.loads(env["AGL_ROLLOUT_INPUT"]) == task
         for other in job["spec"]["template"]["spec"].get("initContainers") or []:

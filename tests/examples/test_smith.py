@@ -325,7 +325,7 @@ def test_agent_fixes_the_bug_with_a_scripted_policy(tasks, scripted_policy):
             os.environ,
             AGL_OPENAI_BASE_URL=f"{gateway.url}/proxy/rollout/{rollout_id}/attempt/a1/mode/train/openai/v1",
             AGL_EVENT_URL=f"{gateway.url}/api/rollouts/{rollout_id}/attempt/a1/events",
-            AGL_KEY=scoped_key(ADMIN_KEY, rollout_id),
+            AGL_KEY=scoped_key(ADMIN_KEY, rollout_id, "a1"),
             AGL_ROLLOUT_ID=rollout_id,
             AGL_ROLLOUT_INPUT=json.dumps(task),
             PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),

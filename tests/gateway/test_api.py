@@ -102,30 +102,29 @@ def test_oversized_body_is_413(gateway):
         assert httpx.get(f"{small.url}/api/rollouts", headers=headers).json() == []
 
 
-def test_events_raw_and_triplet(admin):
+def test_events_raw_and_triplet(admin, stub):
+    admin.post("/api/models", json=[{"model": "policy", "endpoint": stub.base_url, "policy_version": 2}])
     r = make_rollout(admin)
     claim(admin, r["rollout_id"])
     url = f"/api/rollouts/{r['rollout_id']}/attempt/a1/events"
-    call = {
-        "prompt_token_ids": [1],
-        "response_token_ids": [2, 3],
-        "response_logprobs": [-1.0, -2.0],
-        "policy_version": 2,
-    }
-    assert admin.post(url, json={"event_type": "model_request", "data": call}).status_code == 201
+    call = admin.post(
+        f"/proxy/rollout/{r['rollout_id']}/attempt/a1/mode/train/openai/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}]},
+    ).json()
     assert admin.post(url, json={"event_type": "reward", "data": {"value": 1.0}}).status_code == 201
     raw = admin.get(f"/api/rollouts/{r['rollout_id']}/events", params={"event_type": "reward"}).json()
     assert [e["data"] for e in raw] == [{"value": 1.0}]
     triplet = admin.get(f"/api/rollouts/{r['rollout_id']}/events", params={"format": "samples"}).json()
     assert triplet["reward"] == 1.0
-    assert triplet["triplets"][0]["response_token_ids"] == [2, 3] and triplet["triplets"][0]["policy_version"] == 2
+    [recorded] = triplet["triplets"]
+    assert recorded["response_token_ids"] == call["choices"][0]["token_ids"] and recorded["policy_version"] == 2
 
 
 def test_auth_admin_and_scoped_keys(gateway, admin):
     mine, other = make_rollout(admin), make_rollout(admin)
     for r in (mine, other):
         claim(admin, r["rollout_id"])
-    key = scoped_key(ADMIN_KEY, mine["rollout_id"])
+    key = scoped_key(ADMIN_KEY, mine["rollout_id"], "a1")
     agent = httpx.Client(base_url=gateway.url, headers={"x-api-key": key})
     anon = httpx.Client(base_url=gateway.url)
     reward = {"event_type": "reward", "data": {"value": 1}}

@@ -46,7 +46,7 @@ def test_64_agents_through_pause_and_resume(tmp_path):
                 ok_counts = dict.fromkeys(rollout_ids, 0)
 
                 async def agent(rid: str) -> None:
-                    headers = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid)}"}
+                    headers = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid, 'a1')}"}
                     url = f"/proxy/rollout/{rid}/attempt/a1/mode/train/openai/v1/chat/completions"
                     while ok_counts[rid] < calls_per_agent:
                         response = await client.post(
@@ -167,7 +167,7 @@ def test_sigkill_under_concurrent_event_posting_keeps_every_acknowledged_event(t
             stop = asyncio.Event()
 
             async def post(rid: str) -> None:
-                headers = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid)}"}
+                headers = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid, 'a1')}"}
                 n = 0
                 while not stop.is_set():
                     n += 1

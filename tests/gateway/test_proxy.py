@@ -23,7 +23,7 @@ def proxy_url(gateway, rollout_id, mode="train", endpoint="chat/completions"):
 
 
 def agent_headers(rollout_id):
-    return {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rollout_id)}"}
+    return {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rollout_id, 'a1')}"}
 
 
 def wait_inflight(admin, timeout=30.0):
@@ -111,7 +111,8 @@ def test_no_upstream_registered(gateway, admin):
 def test_proxy_refuses_unknown_attempt_terminal_rollout_and_bad_endpoint(gateway, admin, registered):
     rid = running_rollout(admin)
     bad_attempt = proxy_url(gateway, rid).replace("/attempt/a1/", "/attempt/a9/")
-    assert httpx.post(bad_attempt, json={}, headers=agent_headers(rid)).status_code == 404
+    assert httpx.post(bad_attempt, json={}, headers=agent_headers(rid)).status_code == 403  # a1's key
+    assert admin.post(bad_attempt, json={}).status_code == 404
     assert (
         httpx.post(proxy_url(gateway, rid, endpoint="embeddings"), json={}, headers=agent_headers(rid)).status_code
         == 404

@@ -50,7 +50,7 @@ def test_a_gateway_on_an_existing_store_takes_over_its_pause_and_models(tmp_path
         refused = httpx.post(
             f"{second.url}/proxy/rollout/{rid}/attempt/a1/mode/train/openai/v1/chat/completions",
             json={"messages": []},
-            headers={"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid)}"},
+            headers={"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid, 'a1')}"},
         )
         assert refused.status_code == 429 and int(refused.headers["retry-after-ms"]) > 60_000
         httpx.post(f"{second.url}/proxy/resume", headers=ADMIN).raise_for_status()
@@ -75,7 +75,7 @@ async def test_the_client_and_the_agent_sdk_ride_out_a_gateway_that_is_down(tmp_
         context = AgentContext(
             openai_base_url=client.proxy_base_url("r-late", "a1"),
             event_url=client.event_url("r-late", "a1"),
-            key=scoped_key(ADMIN_KEY, "r-late"),
+            key=scoped_key(ADMIN_KEY, "r-late", "a1"),
         )
         reported = asyncio.create_task(asyncio.to_thread(context.report_reward, 0.5))
         await asyncio.sleep(1)

@@ -33,7 +33,7 @@ def test_a_gateway_process_runs_with_the_config_it_was_given(tmp_path, stub):
         assert gateway.settings.gateway.port > 0  # port 0 = a free one, picked before the process starts
         client.post("/api/models", json=[{"model": "policy", "endpoint": stub.base_url}], headers=ADMIN)
         rid = _running_rollout(client)
-        agent = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid)}"}
+        agent = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid, 'a1')}"}
         for mode, temperature in (("train", 0.7), ("val", 0.2)):
             url = f"/proxy/rollout/{rid}/attempt/a1/mode/{mode}/openai/v1/chat/completions"
             assert client.post(url, json={"messages": [], "temperature": 1.5}, headers=agent).status_code == 200

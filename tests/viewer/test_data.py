@@ -163,7 +163,7 @@ def test_bulk_rewards_read_like_triplets(tmp_path):
             await store.update_status(rid, StatusFields(state=RolloutState.RUNNING))
         await store.add_event("a", "a1", EventCreate(event_type="reward", data={"value": 0.2}))
         await store.add_event("a", "a1", EventCreate(event_type="reward", data={"value": 0.9}))  # last one wins
-        await store.add_event("a", "a1", EventCreate(event_type="reward", data={"value": "bad"}))  # ignored
+        await store.record_event("a", "a1", "reward", {"value": "bad"})  # one stored before rewards were checked
         await store.update_status("b", StatusFields(state=RolloutState.QUEUING))  # retried: a1 failed
         await store.add_event("b", "a1", EventCreate(event_type="reward", data={"value": 1.0}))
         await store.update_status("b", StatusFields(state=RolloutState.RUNNING))  # a2 has no reward yet

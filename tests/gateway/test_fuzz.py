@@ -1,0 +1,263 @@
+"""Every store-API endpoint fuzzed (hypothesis, bounded) with the admin key and a scoped key:
+no 5xx, every error a JSON `{"error", "reason"}`, the store file unchanged after every 4xx.
+And the auth matrix: each endpoint against no key, wrong keys and the scoped keys of this
+rollout, of an old attempt of it and of another rollout."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import urllib.parse
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rollover.gateway.auth import scoped_key
+from rollover.gateway.server import GatewayThread
+from rollover.testing.stub_upstream import StubUpstream
+from tests.conftest import ADMIN_KEY
+
+RUN, QUEUED = "fz-run", "fz-queued"  # a running rollout (attempt a1) and a queued one
+
+
+class Fuzzed:
+    """A gateway over a store file, a stand-in upstream, and a way to read the file directly."""
+
+    def __init__(self, gateway: GatewayThread, stub: StubUpstream, path: Path) -> None:
+        self.gateway, self.stub, self.path = gateway, stub, path
+        self.admin = httpx.Client(base_url=gateway.url, headers={"x-api-key": ADMIN_KEY}, timeout=30)
+        self.client = httpx.Client(base_url=gateway.url, timeout=30)  # no key of its own
+
+    def reset(self) -> None:
+        """Back to the fixtures: unpaused, the stub the one upstream, both rollouts present."""
+        admin = self.admin
+        admin.post("/proxy/resume").raise_for_status()
+        admin.delete("/api/models").raise_for_status()
+        admin.post("/api/models", json=[{"model": "policy", "endpoint": self.stub.base_url}]).raise_for_status()
+        for rid in (RUN, QUEUED):
+            state = admin.post("/api/rollouts", json=[{"rollout_id": rid, "input": {"q": 1}}]).json()[0]["status"]
+            if state["state"] != ("running" if rid == RUN else "queuing") or (
+                rid == RUN and state["last_attempt_id"] != "a1"
+            ):
+                admin.delete(f"/api/rollouts/{rid}").raise_for_status()
+                admin.post("/api/rollouts", json=[{"rollout_id": rid, "input": {"q": 1}}]).raise_for_status()
+                if rid == RUN:
+                    claim = {"status": {"state": "running", "last_attempt_id": "a1"}}
+                    admin.patch(f"/api/rollouts/{rid}", json=claim).raise_for_status()
+
+    def rows(self) -> tuple[list[tuple[Any, ...]], ...]:
+        """Every row of the store file, read past the gateway."""
+        with closing(sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)) as conn:
+            return tuple(
+                conn.execute(f"SELECT * FROM {table} ORDER BY rowid").fetchall()
+                for table in ("rollouts", "attempts", "events")
+            )
+
+
+@pytest.fixture
+def fuzzed(tmp_path: Path) -> Iterator[Fuzzed]:
+    path = tmp_path / "store.db"
+    with StubUpstream() as stub, GatewayThread(store=str(path), admin_key=ADMIN_KEY, upstream_retries=0) as gateway:
+        target = Fuzzed(gateway, stub, path)
+        target.reset()
+        yield target
+        target.admin.close()
+        target.client.close()
+
+
+# -- what is sent ---------------------------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=12,
+)
+path_ids = st.sampled_from([RUN, QUEUED, "nope", "a1", ""]) | st.text(max_size=12)
+attempt_ids = st.sampled_from(["a1", "a2", "0"]) | st.text(max_size=6)
+RAW = [
+    b"",
+    b"{",
+    b"[" * 300 + b"]" * 300,
+    b"[" * 1100 + b"]" * 1100,
+    b'{"input": "\\ud800"}',
+    b'{"event_type": "reward", "data": {"value": NaN}}',
+    b'{"event_type": "reward", "data": {"value": 1e999}}',
+    b'{"event_type": "model_request", "data": {}}',
+    b"\xff\xfe",
+]
+# Valid bodies per endpoint, which the fuzz then breaks one key at a time.
+TEMPLATES: dict[str, Any] = {
+    "rollouts": [{"input": {"q": 1}, "metadata": {"k": "v"}, "config": {"timeout_seconds": 5}}],
+    "patch": {"status": {"state": "running", "last_attempt_id": "a9"}},
+    "event": {"event_type": "reward", "data": {"value": 0.5}},
+    "models": [{"model": "policy", "endpoint": "http://127.0.0.1:9/v1", "policy_version": 1}],
+    "pause": {"reason": "fuzz", "retry_after_seconds": 1, "expected_seconds": 2},
+    "chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+}
+
+
+@st.composite
+def bodies(draw: st.DrawFn, template: str) -> bytes:
+    kind = draw(st.sampled_from(["template", "broken", "json", "raw"]))
+    if kind == "raw":
+        return draw(st.sampled_from(RAW) | st.binary(max_size=40))
+    if kind == "json":
+        return json.dumps(draw(json_values)).encode()  # NaN and Infinity included: not JSON
+    value = json.loads(json.dumps(TEMPLATES[template]))
+    if kind == "broken":
+        target = value[0] if isinstance(value, list) else value
+        key = draw(st.sampled_from([*target.keys(), "extra"]))
+        target[key] = draw(json_values)
+    return json.dumps(value).encode()
+
+
+def quoted(text: str) -> str:
+    return urllib.parse.quote(text, safe="")
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> tuple[str, str, dict[str, Any], bytes | None]:
+    rid, aid = quoted(draw(path_ids)), quoted(draw(attempt_ids))
+    mode = draw(st.sampled_from(["train", "val", "test"]))
+    text = st.text(max_size=8)
+    endpoint = draw(
+        st.sampled_from(
+            [
+                ("POST", "/api/rollouts", "rollouts"),
+                ("GET", "/api/rollouts", None),
+                ("GET", f"/api/rollouts/{rid}", None),
+                ("PATCH", f"/api/rollouts/{rid}", "patch"),
+                ("DELETE", f"/api/rollouts/{rid}", None),
+                ("POST", f"/api/rollouts/{rid}/attempt/{aid}/events", "event"),
+                ("GET", f"/api/rollouts/{rid}/events", None),
+                ("POST", "/api/models", "models"),
+                ("GET", "/api/models", None),
+                ("DELETE", "/api/models", None),
+                ("POST", "/proxy/pause", "pause"),
+                ("POST", "/proxy/resume", None),
+                ("GET", "/proxy/state", None),
+                ("POST", f"/proxy/rollout/{rid}/attempt/{aid}/mode/{mode}/openai/v1/chat/completions", "chat"),
+                ("POST", f"/proxy/rollout/{rid}/attempt/{aid}/mode/{mode}/openai/v1/completions", "chat"),
+                ("GET", f"/proxy/rollout/{rid}/attempt/{aid}/mode/{mode}/openai/v1/models", None),
+            ]
+        )
+    )
+    method, path, template = endpoint
+    params = draw(
+        st.dictionaries(
+            st.sampled_from(["state_in", "limit", "rollout_id", "event_type", "attempt_id", "format", "wait_drained"]),
+            text | st.sampled_from(["queuing", "-1", "0", "5", "triplet", "samples", "raw"]),
+            max_size=3,
+        )
+    )
+    body = draw(bodies(template)) if template else None
+    return method, path, params, body
+
+
+KEYS = {"admin": ADMIN_KEY, "agent": scoped_key(ADMIN_KEY, RUN, "a1")}
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(request=requests(), who=st.sampled_from(sorted(KEYS)))
+def test_fuzzed_requests_never_5xx_and_refusals_change_nothing(fuzzed, request, who):
+    method, path, params, body = request
+    fuzzed.reset()
+    before = fuzzed.rows()
+    response = fuzzed.client.request(method, path, params=params, content=body, headers={"x-api-key": KEYS[who]})
+    assert response.status_code < 500, (method, path, params, body, response.status_code, response.text)
+    if response.status_code >= 400:
+        assert response.headers["content-type"].startswith("application/json"), response.text
+        error = response.json()
+        assert set(error) == {"error", "reason"} and error["reason"], error
+        assert fuzzed.rows() == before, (method, path, body, response.text)
+    elif response.status_code < 300 and not response.headers["content-type"].startswith("text/event-stream"):
+        response.json()  # 3xx: the router's redirect of a trailing slash
+
+
+# -- the auth matrix --------------------------------------------------------------------
+
+OTHER = "fz-other"
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def endpoints(upstream: str) -> list[tuple[str, str, Any, str]]:
+    """(method, path, body, kind): admin endpoints, reads of RUN, writes into RUN's running
+    attempt a2, and writes into its finished attempt a1."""
+    return [
+        ("POST", "/api/rollouts", [{"input": 1}], "admin"),
+        ("GET", "/api/rollouts", None, "admin"),
+        ("PATCH", f"/api/rollouts/{QUEUED}", {"status": {"k8s_job_name": "j"}}, "admin"),
+        ("DELETE", "/api/rollouts/fz-doomed", None, "admin"),
+        ("POST", "/api/models", [{"model": "policy", "endpoint": upstream}], "admin"),
+        ("GET", "/api/models", None, "admin"),
+        ("POST", "/proxy/pause", {}, "admin"),
+        ("POST", "/proxy/resume", None, "admin"),
+        ("GET", "/proxy/state", None, "admin"),
+        ("GET", "/openapi.json", None, "admin"),
+        ("GET", "/docs", None, "admin"),
+        ("GET", "/redoc", None, "admin"),
+        ("GET", f"/api/rollouts/{RUN}", None, "read"),
+        ("GET", f"/api/rollouts/{RUN}/events?format=samples", None, "read"),
+        ("GET", f"/proxy/rollout/{RUN}/attempt/a2/mode/train/openai/v1/models", None, "read"),
+        ("POST", f"/api/rollouts/{RUN}/attempt/a2/events", {"event_type": "note", "data": {}}, "write"),
+        ("POST", f"/proxy/rollout/{RUN}/attempt/a2/mode/train/openai/v1/chat/completions", CHAT, "write"),
+        ("POST", f"/api/rollouts/{RUN}/attempt/a1/events", {"event_type": "note", "data": {}}, "old"),
+        ("POST", f"/proxy/rollout/{RUN}/attempt/a1/mode/train/openai/v1/chat/completions", CHAT, "old"),
+        ("DELETE", "/api/models", None, "admin"),  # last: the proxy calls above need the upstream
+    ]
+
+
+# What each key gets on each kind of endpoint (2xx: served).
+EXPECTED = {
+    "none": {"admin": 401, "read": 401, "write": 401, "old": 401},
+    "wrong": {"admin": 401, "read": 401, "write": 401, "old": 401},
+    "forged scoped": {"admin": 403, "read": 403, "write": 403, "old": 403},
+    "this attempt": {"admin": 403, "read": "2xx", "write": "2xx", "old": 403},
+    "old attempt": {"admin": 403, "read": "2xx", "write": 403, "old": 409},
+    "other rollout": {"admin": 403, "read": 403, "write": 403, "old": 403},
+    "admin": {"admin": "2xx", "read": "2xx", "write": "2xx", "old": "2xx"},  # the admin may write anywhere
+}
+
+
+def test_auth_matrix_on_every_endpoint(fuzzed):
+    admin = fuzzed.admin
+    # RUN: attempt a1 failed and re-queued, a2 running; OTHER running its own a1.
+    admin.patch(f"/api/rollouts/{RUN}", json={"status": {"state": "queuing"}}).raise_for_status()
+    admin.patch(f"/api/rollouts/{RUN}", json={"status": {"state": "running", "last_attempt_id": "a2"}})
+    admin.post("/api/rollouts", json=[{"rollout_id": OTHER}, {"rollout_id": "fz-doomed"}]).raise_for_status()
+    admin.patch(f"/api/rollouts/{OTHER}", json={"status": {"state": "running"}}).raise_for_status()
+    keys: dict[str, str | None] = {
+        "none": None,
+        "wrong": "not-the-key",
+        "forged scoped": "rk-" + "0" * 40,
+        "this attempt": scoped_key(ADMIN_KEY, RUN, "a2"),
+        "old attempt": scoped_key(ADMIN_KEY, RUN, "a1"),
+        "other rollout": scoped_key(ADMIN_KEY, OTHER, "a1"),
+        "admin": ADMIN_KEY,  # last: its DELETEs and pause go through
+    }
+    seen = []
+    for who, key in keys.items():
+        for method, path, body, kind in endpoints(fuzzed.stub.base_url):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            before = fuzzed.rows()
+            response = fuzzed.client.request(method, path, json=body, headers=headers)
+            expected = EXPECTED[who][kind]
+            got = "2xx" if 200 <= response.status_code < 300 else response.status_code
+            seen.append((who, method, path, got))
+            assert got == expected, (who, method, path, response.status_code, response.text)
+            if got != "2xx":
+                assert set(response.json()) == {"error", "reason"}
+                assert fuzzed.rows() == before, (who, method, path)
+    assert httpx.get(f"{fuzzed.gateway.url}/healthz").status_code == 200  # the one endpoint with no key
+    assert len(seen) == len(keys) * len(endpoints(""))
