@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -11,7 +11,7 @@ from typing import Any, Literal, TypeVar
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
@@ -25,8 +25,8 @@ from rollover.gateway.proxy import (
     Forwarder,
     ModelRegistry,
     ProxyPauseState,
+    StreamedCall,
     UpstreamError,
-    sse_from_response,
 )
 from rollover.store.models import (
     PROXY_EVENT_TYPES,
@@ -431,16 +431,16 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
             if retry_after_ms is not None:
                 headers["retry-after-ms"] = str(retry_after_ms)
             return JSONResponse({"error": "gateway paused", "reason": paused.reason}, status_code=429, headers=headers)
+        if body.get("stream") is True:
+            return await _open_stream(state, rollout_id, attempt_id, mode, endpoint, body)
         try:
-            status_code, raw, data = await _forward_unless_disconnected(
+            status_code, raw, _ = await _forward_unless_disconnected(
                 request, state, rollout_id, attempt_id, mode, endpoint, body
             )
         except UpstreamError as exc:
             return error_response(exc.status_code, "upstream error", exc.reason)
         finally:
             await state.pause.leave()
-        if body.get("stream") and status_code == 200:
-            return Response(sse_from_response(endpoint, data), media_type="text/event-stream")
         return _json(raw, status_code)
 
     # The calls every agent makes skip FastAPI's per-request machinery (parameter solving,
@@ -456,6 +456,56 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         ),
     ]
     return app
+
+
+class _RelayedStream(StreamingResponse):
+    """The engine's chunks, relayed as they arrive; whatever ends the response (the last chunk,
+    the agent hanging up, an error) closes the engine call and then counts the call out."""
+
+    def __init__(self, call: StreamedCall, leave: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(call.chunks(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._call = call
+        self._leave = leave
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await asyncio.shield(self._call.close())
+            finally:
+                await self._leave()
+
+
+async def _open_stream(
+    state: GatewayState,
+    rollout_id: str,
+    attempt_id: str,
+    mode: Literal["train", "val"],
+    endpoint: str,
+    body: dict[str, Any],
+) -> Response:
+    """A `stream: true` call (counted in flight by the caller): relayed, or the engine's error."""
+    try:
+        call = await state.forwarder.stream(rollout_id, attempt_id, mode, endpoint, body)
+    except UpstreamError as exc:
+        await state.pause.leave()
+        return error_response(exc.status_code, "upstream error", exc.reason)
+    except BaseException:
+        await state.pause.leave()
+        raise
+    if call.status == 200:
+        return _RelayedStream(call, state.pause.leave)
+    try:
+        raw, _ = await call.read()
+    except UpstreamError as exc:
+        return error_response(exc.status_code, "upstream error", exc.reason)
+    finally:
+        try:
+            await call.close()
+        finally:
+            await state.pause.leave()
+    return _json(raw, call.status)
 
 
 async def _forward_unless_disconnected(

@@ -7,7 +7,7 @@ import hashlib
 import math
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -15,6 +15,7 @@ import aiohttp
 
 from rollover import codec
 from rollover.config import GatewaySettings
+from rollover.gateway.streaming import StreamAssembler
 from rollover.store.models import ModelEndpoint, ProxyState
 from rollover.store.sqlite import InvalidValue, RolloutStore
 
@@ -186,8 +187,10 @@ def prepare_request(
         upstream["max_tokens"] = min([cap, *asked])
         if "max_completion_tokens" in upstream:
             upstream["max_completion_tokens"] = upstream["max_tokens"]
-    upstream["stream"] = False
-    upstream.pop("stream_options", None)
+    # A stream is relayed as the engine writes it (its chunks carry token ids and logprobs too).
+    upstream["stream"] = body.get("stream") is True
+    if not upstream["stream"]:
+        upstream.pop("stream_options", None)
     if mode == "train":
         # Sample from the full temperature-1 softmax the trainer optimises, whatever the agent
         # asked for, so the recorded logprobs are the behaviour policy's.
@@ -223,36 +226,6 @@ def extract_tokens(endpoint: str, response: dict[str, Any]) -> dict[str, Any]:
 
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def sse_from_response(endpoint: str, response: dict[str, Any]) -> bytes:
-    """Replay a finished completion as a server-sent event stream for clients that asked to stream."""
-    chunks = []
-    kind = "chat.completion.chunk" if endpoint == "chat/completions" else "text_completion"
-    for choice in response.get("choices", []):
-        if endpoint == "chat/completions":
-            message = choice.get("message") or {}
-            delta = {k: v for k, v in message.items() if v is not None}
-            payload_choice = {
-                "index": choice.get("index", 0),
-                "delta": delta,
-                "finish_reason": choice.get("finish_reason"),
-            }
-        else:
-            payload_choice = {
-                "index": choice.get("index", 0),
-                "text": choice.get("text", ""),
-                "finish_reason": choice.get("finish_reason"),
-            }
-        chunk = {k: response.get(k) for k in ("id", "created", "model")}
-        chunk.update(object=kind, choices=[payload_choice])
-        chunks.append(chunk)
-    if response.get("usage"):
-        chunks.append(
-            {k: response.get(k) for k in ("id", "created", "model")}
-            | {"object": kind, "choices": [], "usage": response["usage"]}
-        )
-    return b"".join(b"data: " + codec.dumps(chunk) + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
 
 
 class Forwarder:
@@ -321,51 +294,154 @@ class Forwarder:
             return
         raise UpstreamError(status, f"{last_reason} (after {attempts} attempts)")
 
+    def _target(self, rollout_id: str) -> ModelEndpoint:
+        target = self.registry.pick(rollout_id)
+        if target is None:
+            raise UpstreamError(503, "no inference endpoint registered (POST /api/models first)")
+        return target
+
     async def forward(
         self, rollout_id: str, attempt_id: str, mode: Mode, endpoint: str, body: dict[str, Any]
     ) -> tuple[int, bytes, dict[str, Any]]:
         """The engine's status, its body as sent, and that body parsed; the call is recorded."""
-        target = self.registry.pick(rollout_id)
-        if target is None:
-            raise UpstreamError(503, "no inference endpoint registered (POST /api/models first)")
+        target = self._target(rollout_id)
         payload = codec.dumps(prepare_request(body, endpoint, mode, target.model, self.settings))
         started = time.monotonic()
         async with self.open(f"{target.endpoint.rstrip('/')}/{endpoint}", payload) as response:
-            try:
-                raw = await response.read()
-            except asyncio.TimeoutError as exc:
-                raise UpstreamError(504, f"upstream timed out: {exc!r}") from None
-            except aiohttp.ClientError as exc:
-                raise UpstreamError(502, f"upstream failed mid-answer: {exc!r}") from None
+            raw = await _read_whole(response)
             status_code = response.status
-        latency = time.monotonic() - started
-        try:
-            data = codec.loads(raw)
-        except codec.JSONCodecError:
-            # Python-made JSON may carry NaN (a logprob): the agent gets it as standard JSON
-            # (NaN as null, as the event stores it), and anything else is the engine's fault.
-            try:
-                data = codec.loads_lenient(raw)
-                raw = codec.dumps(data)
-            except codec.JSONCodecError:
-                raise UpstreamError(502, f"upstream returned non-JSON: {raw[:300].decode(errors='replace')}") from None
-        if not isinstance(data, dict):
-            raise UpstreamError(502, "upstream returned a JSON value that is not an object")
+        raw, data = _parsed(raw)
+        call = _Call(rollout_id, attempt_id, mode, endpoint, body, target, started)
+        await self.record(call, status_code, data)
+        return status_code, raw, data
+
+    async def stream(
+        self, rollout_id: str, attempt_id: str, mode: Mode, endpoint: str, body: dict[str, Any]
+    ) -> StreamedCall:
+        """The engine's answer to a `stream: true` call, opened: see `StreamedCall`."""
+        target = self._target(rollout_id)
+        payload = codec.dumps(prepare_request(body, endpoint, mode, target.model, self.settings))
+        call = _Call(rollout_id, attempt_id, mode, endpoint, body, target, time.monotonic())
+        stack = AsyncExitStack()
+        response = await stack.enter_async_context(self.open(f"{target.endpoint.rstrip('/')}/{endpoint}", payload))
+        return StreamedCall(self, call, stack, response)
+
+    async def record(self, call: _Call, status_code: int, data: dict[str, Any]) -> None:
         record = {
-            "mode": mode,
-            "endpoint": endpoint,
-            "model": target.model,
-            "upstream": target.endpoint,
-            "request": body,
+            "mode": call.mode,
+            "endpoint": call.endpoint,
+            "model": call.target.model,
+            "upstream": call.target.endpoint,
+            "request": call.body,
             "response": data,
-            "policy_version": target.policy_version,
-            "latency_s": latency,
+            "policy_version": call.target.policy_version,
+            "latency_s": time.monotonic() - call.started,
             "status_code": status_code,
         }
-        if status_code == 200:
-            record.update(extract_tokens(endpoint, data))
+        if status_code == 200 and "error" not in data:
+            record.update(extract_tokens(call.endpoint, data))
         try:
-            await self.store.record_event(rollout_id, attempt_id, "model_request", record)
+            await self.store.record_event(call.rollout_id, call.attempt_id, "model_request", record)
         except InvalidValue as exc:  # e.g. nested deeper than JSON is stored
             raise UpstreamError(502, f"the engine's answer cannot be recorded: {exc}") from None
-        return status_code, raw, data
+
+
+@dataclass
+class _Call:
+    """What the record of one proxied call needs besides the answer."""
+
+    rollout_id: str
+    attempt_id: str
+    mode: Mode
+    endpoint: str
+    body: dict[str, Any]
+    target: ModelEndpoint
+    started: float
+
+
+class StreamedCall:
+    """A streamed engine answer, open: `status` as the engine answered; an error body is read
+    whole (`read`), a 200 is relayed chunk by chunk (`chunks`) while a `StreamAssembler` puts
+    the completion back together, recorded as one `model_request` like an unstreamed call just
+    before the agent gets the stream's end (so the record is there before the agent can finish);
+    a stream cut off is not recorded, as an unstreamed call cut off is not. `close` (always,
+    once done) releases the engine's connection, or closes it if the stream did not reach its
+    end, which is how the engine learns to stop generating."""
+
+    def __init__(self, forwarder: Forwarder, call: _Call, stack: AsyncExitStack, response: aiohttp.ClientResponse):
+        self._forwarder = forwarder
+        self._call = call
+        self._stack = stack
+        self._response = response
+        self._assembler = StreamAssembler(call.endpoint)
+        self._finished = False  # the engine's answer was read to its end
+        self._recorded = False
+        self._closed = False
+        self.status = response.status
+
+    async def read(self) -> tuple[bytes, dict[str, Any]]:
+        raw = await _read_whole(self._response)
+        self._finished = True
+        raw, data = _parsed(raw)
+        await self._record(data)
+        return raw, data
+
+    async def _record(self, data: dict[str, Any]) -> None:
+        if not self._recorded:
+            self._recorded = True
+            await self._forwarder.record(self._call, self.status, data)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        # Headers are sent: a failure is told in-band, as OpenAI's clients read it.
+        try:
+            async for piece in self._response.content.iter_any():
+                self._assembler.feed(piece)
+                if self._assembler.done:
+                    await self._record(self._assembler.response())
+                yield piece
+            self._finished = True
+            await self._record(self._assembler.response())  # an engine that sent no [DONE]
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            yield _sse_error(f"upstream failed mid-stream: {exc!r}")
+        except UpstreamError as exc:  # the answer could not be recorded
+            yield _sse_error(exc.reason)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self._finished:
+                self._response.close()
+        finally:
+            await self._stack.aclose()
+
+
+def _sse_error(message: str) -> bytes:
+    return b"data: " + codec.dumps({"error": {"message": message, "type": "upstream_error"}}) + b"\n\n"
+
+
+async def _read_whole(response: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await response.read()
+    except asyncio.TimeoutError as exc:
+        raise UpstreamError(504, f"upstream timed out: {exc!r}") from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(502, f"upstream failed mid-answer: {exc!r}") from None
+
+
+def _parsed(raw: bytes) -> tuple[bytes, dict[str, Any]]:
+    """The engine's body as the agent gets it, and parsed."""
+    try:
+        data = codec.loads(raw)
+    except codec.JSONCodecError:
+        # Python-made JSON may carry NaN (a logprob): the agent gets it as standard JSON
+        # (NaN as null, as the event stores it), and anything else is the engine's fault.
+        try:
+            data = codec.loads_lenient(raw)
+            raw = codec.dumps(data)
+        except codec.JSONCodecError:
+            raise UpstreamError(502, f"upstream returned non-JSON: {raw[:300].decode(errors='replace')}") from None
+    if not isinstance(data, dict):
+        raise UpstreamError(502, "upstream returned a JSON value that is not an object")
+    return raw, data

@@ -1,22 +1,25 @@
 """A small stand-in for vLLM's OpenAI server, for fast proxy tests and the overhead benchmark.
 
 It answers `chat/completions` and `completions` with vLLM's extra fields (`prompt_token_ids`,
-`token_ids`, sampled-token logprobs), deterministically from the request, and can be told to
-be slow or to fail so the proxy's retry and cancel paths can be exercised.
+`token_ids`, sampled-token logprobs), deterministically from the request, `n` choices, streamed
+as vLLM streams when asked, and can be told to be slow or to fail so the proxy's retry and
+cancel paths can be exercised.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rollover.gateway.server import free_port, wait_healthy
 
@@ -28,11 +31,41 @@ class StubBehaviour:
     requests: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0
     completed: int = 0
+    # Streams stop before their last chunk until this is set (a test reads the first chunks
+    # while the engine is still "generating"); None = stream straight through.
+    hold_stream_end: threading.Event | None = None
 
 
 def _fake_ids(text: str, count: int) -> list[int]:
     digest = hashlib.sha256(text.encode()).digest()
     return [digest[i % len(digest)] + i for i in range(count)]
+
+
+@dataclass
+class _Choice:
+    """One generated choice: its tokens, their logprobs and the text they decode to."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+
+    def pieces(self) -> list[str]:
+        """The text split over the tokens, one piece each, as a stream delivers it."""
+        n, size = len(self.token_ids), len(self.text)
+        return [self.text[size * k // n : size * (k + 1) // n] for k in range(n)]
+
+
+def _choices(prompt: str, n: int) -> list[_Choice]:
+    out = []
+    for index in range(n):
+        ids = _fake_ids(prompt + ("reply" if index == 0 else f"reply{index}"), 4)
+        out.append(_Choice(index, ids, [-0.1 * (k + 1) - 0.01 * index for k in range(len(ids))], f"echo {len(prompt)}"))
+    return out
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
 
 
 def create_stub_app(behaviour: StubBehaviour) -> FastAPI:
@@ -43,7 +76,7 @@ def create_stub_app(behaviour: StubBehaviour) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    async def answer(kind: str, request: Request) -> JSONResponse:
+    async def answer(kind: str, request: Request) -> Response:
         body = await request.json()
         behaviour.requests.append(body)
         if behaviour.fail_next > 0:
@@ -63,31 +96,37 @@ def create_stub_app(behaviour: StubBehaviour) -> FastAPI:
                 return JSONResponse({"error": "client went away"}, status_code=499)
         prompt = str(body.get("messages") or body.get("prompt"))
         prompt_ids = _fake_ids(prompt, 8)
-        response_ids = _fake_ids(prompt + "reply", 4)
-        logprobs = [-0.1 * (i + 1) for i in range(len(response_ids))]
-        text = f"echo {len(prompt)}"
+        choices = _choices(prompt, int(body.get("n") or 1))
+        with_ids = bool(body.get("return_token_ids"))
+        if body.get("stream"):
+            return StreamingResponse(
+                _stream(kind, body, prompt_ids, choices, behaviour), media_type="text/event-stream"
+            )
         behaviour.completed += 1
         base = {"id": f"cmpl-{behaviour.completed}", "created": int(time.time()), "model": body.get("model")}
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(response_ids), "total_tokens": 12}
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        usage = {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt_ids) + completion_tokens,
+        }
         if kind == "chat":
-            content = (
-                [{"token": f"t{t}", "logprob": lp} for t, lp in zip(response_ids, logprobs)]
-                if body.get("logprobs")
-                else None
-            )
             return JSONResponse(
                 base
                 | {
                     "object": "chat.completion",
-                    "prompt_token_ids": prompt_ids if body.get("return_token_ids") else None,
+                    "prompt_token_ids": prompt_ids if with_ids else None,
                     "choices": [
                         {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": text},
+                            "index": c.index,
+                            "message": {"role": "assistant", "content": c.text},
                             "finish_reason": "stop",
-                            "logprobs": {"content": content} if content else None,
-                            "token_ids": response_ids if body.get("return_token_ids") else None,
+                            "logprobs": {"content": _chat_logprobs(c.token_ids, c.logprobs)}
+                            if body.get("logprobs")
+                            else None,
+                            "token_ids": c.token_ids if with_ids else None,
                         }
+                        for c in choices
                     ],
                     "usage": usage,
                 }
@@ -99,29 +138,92 @@ def create_stub_app(behaviour: StubBehaviour) -> FastAPI:
                 "object": "text_completion",
                 "choices": [
                     {
-                        "index": 0,
-                        "text": text,
+                        "index": c.index,
+                        "text": c.text,
                         "finish_reason": "stop",
-                        "logprobs": {"token_logprobs": logprobs, "tokens": [f"t{t}" for t in response_ids]}
+                        "logprobs": {"token_logprobs": c.logprobs, "tokens": [f"t{t}" for t in c.token_ids]}
                         if has_logprobs
                         else None,
-                        "prompt_token_ids": prompt_ids if body.get("return_token_ids") else None,
-                        "token_ids": response_ids if body.get("return_token_ids") else None,
+                        "prompt_token_ids": prompt_ids if with_ids else None,
+                        "token_ids": c.token_ids if with_ids else None,
                     }
+                    for c in choices
                 ],
                 "usage": usage,
             }
         )
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> JSONResponse:
+    async def chat(request: Request) -> Response:
         return await answer("chat", request)
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
+    async def completions(request: Request) -> Response:
         return await answer("completions", request)
 
     return app
+
+
+def _chat_logprobs(token_ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+    return [{"token": f"t{t}", "logprob": lp} for t, lp in zip(token_ids, logprobs)]
+
+
+async def _stream(
+    kind: str,
+    body: dict[str, Any],
+    prompt_ids: list[int],
+    choices: list[_Choice],
+    behaviour: StubBehaviour,
+) -> AsyncIterator[bytes]:
+    """The chunks vLLM streams: per choice a first chunk (the role; the prompt's token ids),
+    then one chunk per token with its id and logprob, the last with the finish reason; usage
+    at the end when `stream_options.include_usage` asks for it; then [DONE]."""
+    with_ids = bool(body.get("return_token_ids"))
+    base = {"id": "cmpl-stream", "created": int(time.time()), "model": body.get("model")}
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    try:
+        if kind == "chat":
+            for c in choices:
+                first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                yield _sse(
+                    base | {"object": obj, "choices": [first], "prompt_token_ids": prompt_ids if with_ids else None}
+                )
+        last_token = len(choices[0].token_ids) - 1
+        for k in range(last_token + 1):
+            if k == last_token and behaviour.hold_stream_end is not None:
+                while not behaviour.hold_stream_end.is_set():
+                    await asyncio.sleep(0.02)
+            for c in choices:
+                token, logprob, piece = c.token_ids[k], c.logprobs[k], c.pieces()[k]
+                choice: dict[str, Any] = {"index": c.index, "finish_reason": "stop" if k == last_token else None}
+                choice["token_ids"] = [token] if with_ids else None
+                if kind == "chat":
+                    choice["delta"] = {"content": piece}
+                    choice["logprobs"] = (
+                        {"content": _chat_logprobs([token], [logprob])} if body.get("logprobs") else None
+                    )
+                else:
+                    choice["text"] = piece
+                    choice["prompt_token_ids"] = prompt_ids if with_ids and k == 0 else None
+                    choice["logprobs"] = (
+                        {"token_logprobs": [logprob], "tokens": [f"t{token}"]}
+                        if body.get("logprobs") is not None
+                        else None
+                    )
+                yield _sse(base | {"object": obj, "choices": [choice]})
+        if isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage"):
+            completion_tokens = sum(len(c.token_ids) for c in choices)
+            usage = {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens,
+            }
+            yield _sse(base | {"object": obj, "choices": [], "usage": usage})
+        yield _sse("[DONE]")
+        behaviour.completed += 1
+    except asyncio.CancelledError:
+        behaviour.cancelled += 1  # the caller hung up mid-stream
+        raise
 
 
 class StubUpstream:

@@ -1,6 +1,8 @@
 """vLLM behind the real gateway: recorded calls carry token ids, logprobs and the policy
 version; a weight update changes greedy output and the version."""
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -60,3 +62,24 @@ async def test_recorded_calls_and_weight_update_through_the_gateway(vllm_engine,
         finally:
             await vllm_engine.load_weights(tiny_model_dir)
             vllm_engine.gateway_url = None
+
+
+async def test_a_streamed_call_is_relayed_from_vllm_and_recorded_with_token_ids_and_logprobs(vllm_engine):
+    with GatewayThread(admin_key=ADMIN_KEY) as gateway:
+        await vllm_engine.register_with_gateway(gateway.url, ADMIN_KEY)
+        admin, rid = running_rollout(gateway)
+        reply = call(gateway, rid, mode="train", stream=True)
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        payloads = [line[len("data: ") :] for line in reply.text.splitlines() if line.startswith("data: ")]
+        assert payloads[-1] == "[DONE]"
+        chunks = [json.loads(p) for p in payloads[:-1]]
+        streamed_ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+        assert len([c for c in chunks if c["choices"] and c["choices"][0].get("token_ids")]) > 1  # token by token
+        text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
+        [event] = admin.get(f"/api/rollouts/{rid}/events").json()
+        data = event["data"]
+        assert data["response_token_ids"] == streamed_ids and data["prompt_token_ids"]
+        assert len(data["response_logprobs"]) == len(streamed_ids)
+        assert all(lp <= 0 for lp in data["response_logprobs"])
+        assert data["policy_version"] == vllm_engine.policy_version
+        assert (data["response"]["choices"][0]["message"]["content"] or "") == text

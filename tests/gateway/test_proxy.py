@@ -78,7 +78,9 @@ def test_stream_requests_get_server_sent_events(gateway, admin, registered):
     assert response.headers["content-type"].startswith("text/event-stream")
     lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and '"delta"' in lines[0]
-    assert registered.behaviour.requests[-1]["stream"] is False
+    assert (
+        registered.behaviour.requests[-1]["stream"] is True
+    )  # relayed from the engine (tests/gateway/test_streaming.py)
 
 
 def test_upstream_5xx_is_retried(gateway, admin, registered):

@@ -1,0 +1,133 @@
+"""A streamed engine answer, put back together: the proxy relays the chunks to the agent as
+they arrive and records the completion they add up to, shaped as the engine answers without
+`stream` (token ids, logprobs and all), so a streamed call is recorded like any other."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollover import codec
+
+
+class StreamAssembler:
+    """Fed the raw bytes of an OpenAI-style server-sent event stream (vLLM's: every chunk one
+    `data:` line, `token_ids` per choice, `prompt_token_ids` on the first chunks)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.chat = endpoint == "chat/completions"
+        self.error: Any = None
+        self.done = False  # [DONE] seen
+        self._partial = b""
+        self._top: dict[str, Any] = {}
+        self._choices: dict[int, dict[str, Any]] = {}
+
+    def feed(self, data: bytes) -> None:
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            self._line(line.rstrip(b"\r"))
+
+    def _line(self, line: bytes) -> None:
+        if not line.startswith(b"data:"):
+            return  # comments, event names, the blank line between events
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return
+        try:
+            chunk = codec.loads_lenient(payload)
+        except codec.JSONCodecError:
+            self.error = f"unreadable chunk: {payload[:200].decode(errors='replace')}"
+            return
+        if not isinstance(chunk, dict):
+            return
+        if chunk.get("error") is not None:
+            self.error = chunk["error"]
+        for key in ("id", "created", "model", "system_fingerprint", "prompt_token_ids"):
+            if chunk.get(key) is not None:
+                self._top.setdefault(key, chunk[key])
+        if chunk.get("usage") is not None:
+            self._top["usage"] = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            if isinstance(choice, dict):
+                self._choice(choice)
+
+    def _choice(self, choice: dict[str, Any]) -> None:
+        index = choice.get("index", 0)
+        acc = self._choices.setdefault(
+            index, {"text": [], "reasoning": [], "tool_calls": {}, "token_ids": None, "logprobs": None, "tokens": []}
+        )
+        for key in ("finish_reason", "stop_reason", "prompt_token_ids"):
+            if choice.get(key) is not None:
+                acc[key] = choice[key]
+        if isinstance(choice.get("token_ids"), list):
+            acc["token_ids"] = (acc["token_ids"] or []) + choice["token_ids"]
+        logprobs = choice.get("logprobs") or {}
+        if self.chat:
+            delta = choice.get("delta") or {}
+            if delta.get("role"):
+                acc["role"] = delta["role"]
+            if delta.get("content"):
+                acc["text"].append(delta["content"])
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning:
+                acc["reasoning"].append(reasoning)
+            for call in delta.get("tool_calls") or []:
+                self._tool_call(acc["tool_calls"], call)
+            if isinstance(logprobs.get("content"), list):
+                acc["logprobs"] = (acc["logprobs"] or []) + logprobs["content"]
+        else:
+            if choice.get("text"):
+                acc["text"].append(choice["text"])
+            if isinstance(logprobs.get("token_logprobs"), list):
+                acc["logprobs"] = (acc["logprobs"] or []) + logprobs["token_logprobs"]
+                acc["tokens"].extend(logprobs.get("tokens") or [])
+
+    @staticmethod
+    def _tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
+        call = calls.setdefault(delta.get("index", len(calls)), {"function": {"name": "", "arguments": ""}})
+        for key in ("id", "type"):
+            if delta.get(key):
+                call[key] = delta[key]
+        function = delta.get("function") or {}
+        for key in ("name", "arguments"):
+            if function.get(key):
+                call["function"][key] += function[key]
+
+    def response(self) -> dict[str, Any]:
+        """The completion the chunks add up to, in the engine's non-streamed shape."""
+        top = {key: self._top.get(key) for key in ("id", "created", "model")}
+        choices = []
+        for index in sorted(self._choices):
+            acc = self._choices[index]
+            text = "".join(acc["text"])
+            common = {
+                "index": index,
+                "finish_reason": acc.get("finish_reason"),
+                "stop_reason": acc.get("stop_reason"),
+                "token_ids": acc["token_ids"],
+            }
+            if self.chat:
+                message: dict[str, Any] = {"role": acc.get("role", "assistant"), "content": text or None}
+                if acc["reasoning"]:
+                    message["reasoning_content"] = "".join(acc["reasoning"])
+                if acc["tool_calls"]:
+                    message["tool_calls"] = [acc["tool_calls"][i] for i in sorted(acc["tool_calls"])]
+                elif message["content"] is None:
+                    message["content"] = ""
+                logprobs = None if acc["logprobs"] is None else {"content": acc["logprobs"]}
+                choices.append(common | {"message": message, "logprobs": logprobs})
+            else:
+                logprobs = (
+                    None if acc["logprobs"] is None else {"token_logprobs": acc["logprobs"], "tokens": acc["tokens"]}
+                )
+                choices.append(
+                    common | {"text": text, "logprobs": logprobs, "prompt_token_ids": acc.get("prompt_token_ids")}
+                )
+        shaped = top | {"object": "chat.completion" if self.chat else "text_completion", "choices": choices}
+        if self.chat:
+            shaped["prompt_token_ids"] = self._top.get("prompt_token_ids")
+        shaped["usage"] = self._top.get("usage")
+        if self.error is not None:
+            shaped["error"] = self.error
+        return shaped
