@@ -203,9 +203,21 @@ def prepare_request(
 
 
 def extract_tokens(endpoint: str, response: dict[str, Any]) -> dict[str, Any]:
-    """Token ids and sampled-token logprobs of the first choice of a vLLM response."""
-    choices = response.get("choices") or [{}]
-    choice = choices[0] if isinstance(choices[0], dict) else {}
+    """Token ids and sampled-token logprobs of a vLLM response: its first choice's at the top
+    level (as a call is recorded), and when it has several (`n` > 1) every choice's under
+    `choices`, each becoming its own training sample."""
+    choices = [c for c in response.get("choices") or [] if isinstance(c, dict)] or [{}]
+    per_choice = [_choice_tokens(endpoint, response, choice) for choice in choices]
+    tokens = dict(per_choice[0])
+    if len(per_choice) > 1:
+        tokens["choices"] = [
+            {"index": choice.get("index", position)} | {k: v for k, v in found.items() if k != "prompt_token_ids"}
+            for position, (choice, found) in enumerate(zip(choices, per_choice))
+        ]
+    return tokens
+
+
+def _choice_tokens(endpoint: str, response: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any]:
     if endpoint == "chat/completions":
         prompt_ids = response.get("prompt_token_ids")
         content = (choice.get("logprobs") or {}).get("content")

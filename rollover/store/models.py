@@ -172,6 +172,7 @@ class Triplet(_Wire):
     response_token_ids: list[int]
     response_logprobs: list[float] | None = None
     policy_version: int | None = None
+    choice_index: int = 0  # which of the call's choices (n > 1 records them all)
 
 
 class TripletBundle(_Wire):
@@ -227,6 +228,7 @@ TRAINING_FIELDS = (
     "prompt_token_ids",
     "response_token_ids",
     "response_logprobs",
+    "choices",  # n > 1: every choice's token ids and logprobs
     "policy_version",
     "latency_s",
     "status_code",

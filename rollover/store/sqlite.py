@@ -605,20 +605,25 @@ class RolloutStore:
         if chosen is None:
             return TripletBundle(rollout_id=rollout_id, attempt_id=None, reward=None, triplets=[])
         reward: float | None = None
-        triplets = []
+        triplets: list[Triplet] = []
         for event in events:
             data = event.data if isinstance(event.data, dict) else {}
             if event.event_type == "reward":
                 reward = _reward_value(data, reward)
             elif event.event_type == "model_request" and data.get("response_token_ids") is not None:
-                triplets.append(
+                recorded = data.get("choices")  # n > 1: one triplet per choice
+                choices: list[dict[str, Any]] = recorded if isinstance(recorded, list) else [data]
+                triplets.extend(
                     Triplet(
                         event_id=event.event_id,
                         prompt_token_ids=data.get("prompt_token_ids") or [],
-                        response_token_ids=data["response_token_ids"],
-                        response_logprobs=data.get("response_logprobs"),
+                        response_token_ids=choice["response_token_ids"],
+                        response_logprobs=choice.get("response_logprobs"),
                         policy_version=data.get("policy_version"),
+                        choice_index=position,
                     )
+                    for position, choice in enumerate(choices)
+                    if isinstance(choice, dict) and choice.get("response_token_ids") is not None
                 )
         return TripletBundle(rollout_id=rollout_id, attempt_id=chosen, reward=reward, triplets=triplets)
 

@@ -7,7 +7,9 @@ Merging (SPEC §5): calls are walked in order. When a call's prompt starts with 
 sequence built so far (previous prompts + responses + earlier extensions), only the new tail is
 appended: the tokens between the previous response and the new response are tool/env output
 and get ``loss_mask = 0``; the new response gets ``loss_mask = 1``. Any other call starts a new
-sample. Every sample of a rollout carries the rollout's reward (and later its advantage).
+sample. A call with several choices (``n`` > 1, triplets with ``choice_index`` 1, 2, ...) makes
+each further choice a sample of its own; the next call extends whichever choice it continues.
+Every sample of a rollout carries the rollout's reward (and later its advantage).
 
 Alignment convention of ``collate`` (important for the trainer):
 
@@ -98,7 +100,10 @@ def build_samples(
         raise ValueError(f"max_length must be at least 2, got {max_length}")
 
     builders: list[_Builder] = []
-    current: _Builder | None = None
+    # The samples the previous call's choices went to (one, unless it asked for n > 1): the
+    # agent carries on from one of them.
+    previous: list[_Builder] = []
+    this_call: list[_Builder] = []
     for position, triplet in enumerate(triplets):
         prompt = [int(t) for t in triplet["prompt_token_ids"]]
         response = [int(t) for t in triplet["response_token_ids"]]
@@ -114,13 +119,20 @@ def build_samples(
                     f"{len(response)} response tokens"
                 )
 
-        if merge and current is not None and current.extends_into(prompt):
+        current: _Builder | None = None
+        if not triplet.get("choice_index"):  # a new call (its first choice)
+            previous, this_call = this_call, []
+            current = next((b for b in previous if b.extends_into(prompt)), None) if merge else None
+        # Another choice of the same call is a sample of its own, its prompt all context: the
+        # earlier turns are trained once, in the first choice's sample.
+        if current is not None:
             current.add_context(prompt[len(current.input_ids) :])
         else:
             current = _Builder()
             builders.append(current)
             current.add_context(prompt)
         current.add_response(response, logprobs, version)
+        this_call.append(current)
 
     samples: list[Sample] = []
     for builder in builders:

@@ -145,3 +145,23 @@ def test_collate_rejects_empty_batch() -> None:
 def test_sample_counts_loss_tokens() -> None:
     s = Sample("r", "g", [1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], [-1, 0, 0], reward=1.0)
     assert s.num_loss_tokens == 2 and len(s) == 3
+
+
+def test_each_choice_of_a_call_is_its_own_sample_and_the_next_call_extends_the_one_it_continues() -> None:
+    first = _call([1, 2, 3], [10, 11], [-0.1, -0.2], 0)
+    # The agent asked for n=2 on its second turn and carried on from choice 1.
+    second = [
+        _call([1, 2, 3, 10, 11, 20], [12], [-0.3], 1) | {"choice_index": 0},
+        _call([1, 2, 3, 10, 11, 20], [13, 14], [-0.4, -0.5], 1) | {"choice_index": 1},
+    ]
+    third = _call([1, 2, 3, 10, 11, 20, 13, 14, 21], [15], [-0.6], 1)
+    samples = build_samples("r1", "g1", [first, *second, third], reward=1.0, max_length=None)
+    assert [s.input_ids for s in samples] == [
+        [1, 2, 3, 10, 11, 20, 12],
+        [1, 2, 3, 10, 11, 20, 13, 14, 21, 15],
+    ]
+    # The first turn is trained once, in the first choice's sample; the other choice's sample
+    # has it as context.
+    assert samples[0].loss_mask == [0, 0, 0, 1, 1, 0, 1]
+    assert samples[1].loss_mask == [0, 0, 0, 0, 0, 0, 1, 1, 0, 1]
+    assert samples[1].behaviour_logprobs[6:] == [-0.4, -0.5, 0.0, -0.6]
