@@ -126,7 +126,9 @@ class ActorConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="the policy's optimizer")
     ppo_epochs: int = Field(default=1, gt=0, description="passes over each batch")
     ppo_mini_batch_size: int | None = Field(
-        default=None, gt=0, description="samples per optimizer step; null = the whole batch"
+        default=None,
+        gt=0,
+        description="prompts per optimizer step, as in verl (each with rollout.n samples); null = the whole batch",
     )
     ppo_micro_batch_size: int = Field(default=8, gt=0, description="samples per forward pass (gradient accumulation)")
     clip_ratio: float = Field(default=0.2, gt=0, lt=1, description="PPO clip range of the importance ratio")

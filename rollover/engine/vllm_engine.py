@@ -120,7 +120,7 @@ class VLLMEngine:
         worker_extension: bool = True,
         stop_grace_s: float = 5.0,
         enforce_eager: bool = False,
-        logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs",
+        logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "processed_logprobs",
         tool_call_parser: str | None = "auto",
     ) -> None:
         if device not in ("cpu", "cuda"):
@@ -141,9 +141,10 @@ class VLLMEngine:
         self.stop_grace_s = stop_grace_s
         # Eager mode skips torch.compile: ~10 s faster start on CPU, slower decoding.
         self.enforce_eager = enforce_eager
-        # raw: log-softmax of the model's logits (what a trainer recomputes at T=1).
-        # processed: after temperature/top-k/top-p, i.e. the distribution sampled from;
-        # use it when sampling at T != 1 and the trainer divides its logits by T.
+        # processed (the default): after temperature/top-k/top-p, i.e. the distribution
+        # sampled from, the behaviour policy μ; the trainer divides its logits by the same
+        # temperature, so μ and π_old share a basis at any T (the gateway forces top-k/top-p
+        # off in train mode). raw: log-softmax of the model's logits, a T=1 basis.
         self.logprobs_mode = logprobs_mode
         # Agent frameworks send `tools` and read `tool_calls`: vLLM parses them out of the text.
         self.tool_call_parser = (

@@ -92,11 +92,15 @@ def rollout_correction_weights(
     masked-out positions. ``behaviour_logprobs`` must be finite on masked tokens; NaN there
     (a response recorded without logprobs) would make the weights NaN.
 
-    Metrics, over masked tokens (token mode) or over samples with at least one masked token
-    (sequence mode): ``is_mean`` and ``is_max`` of the applied (truncated) weights,
-    ``clipped_fraction`` = share whose untruncated weight exceeded C. ``rollout_corr/kl`` is
-    the k1 estimate of KL(μ || π_old): the mean over masked tokens of ``logμ - logπ_old``,
-    unbiased because the tokens were sampled from μ.
+    Metrics, as verl reports them: over masked tokens (token mode) or over samples with at
+    least one masked token (sequence mode), of the weights *before* truncation (so ``is_max``
+    shows how far μ is, not C): ``is_mean``, ``is_max``, ``clipped_fraction`` = share above C;
+    also under verl's names ``rollout_is_mean``, ``rollout_is_max``, ``rollout_is_min``,
+    ``rollout_is_ratio_fraction_high`` (= clipped_fraction) and ``rollout_is_ratio_fraction_low``
+    (share below 1/C). ``rollout_corr/kl`` (verl's name too) is the k1 estimate of KL(μ || π_old):
+    the mean over masked tokens of ``logμ - logπ_old``, unbiased because the tokens were
+    sampled from μ. Call it once on the whole batch: metrics of micro-batches do not average
+    into the batch's (a maximum does not).
     """
     if mode is None:
         return None, {}
@@ -110,7 +114,7 @@ def rollout_correction_weights(
         raw = torch.exp(log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
         weights = torch.where(valid, raw.clamp(max=threshold), zeros)
         units_valid = valid
-        unit_raw, unit_weights = raw, weights
+        unit_raw = raw
     else:
         seq_log_ratio = log_ratio.sum(dim=-1).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
         unit_raw = torch.exp(seq_log_ratio)
@@ -119,18 +123,25 @@ def rollout_correction_weights(
         weights = torch.where(valid, unit_weights.unsqueeze(-1).expand_as(zeros), zeros)
 
     if bool(units_valid.any()):
-        is_mean = _masked_mean(unit_weights, units_valid).item()
-        is_max = unit_weights[units_valid].max().item()
-        clipped_fraction = _masked_mean((unit_raw > threshold).float(), units_valid).item()
+        is_mean = _masked_mean(unit_raw, units_valid).item()
+        is_max = unit_raw[units_valid].max().item()
+        is_min = unit_raw[units_valid].min().item()
+        fraction_high = _masked_mean((unit_raw > threshold).float(), units_valid).item()
+        fraction_low = _masked_mean((unit_raw < 1.0 / threshold).float(), units_valid).item()
     else:
-        is_mean = is_max = clipped_fraction = 0.0
+        is_mean = is_max = is_min = fraction_high = fraction_low = 0.0
     kl = _masked_mean(-log_ratio, valid).item()
 
     metrics = {
         "rollout_corr/is_mean": is_mean,
         "rollout_corr/is_max": is_max,
-        "rollout_corr/clipped_fraction": clipped_fraction,
+        "rollout_corr/clipped_fraction": fraction_high,
         "rollout_corr/kl": kl,
+        "rollout_corr/rollout_is_mean": is_mean,
+        "rollout_corr/rollout_is_max": is_max,
+        "rollout_corr/rollout_is_min": is_min,
+        "rollout_corr/rollout_is_ratio_fraction_high": fraction_high,
+        "rollout_corr/rollout_is_ratio_fraction_low": fraction_low,
     }
     return weights.detach(), metrics
 

@@ -48,20 +48,24 @@ class Policy:
         return directory
 
     def update(self, samples: Sequence[Sample], rng: random.Random) -> dict[str, float]:
-        """PPO epochs over the samples; returns token-weighted metrics."""
-        samples = [s for s in samples if s.num_loss_tokens > 0]
+        """PPO epochs over the samples; returns token-weighted metrics (the rollout
+        correction's are the whole batch's)."""
+        samples = [s for s in samples if s.num_target_tokens > 0]
         if not samples:
             return {}
         actor = self.config.actor_rollout_ref.actor
         correction = self.config.algorithm.rollout_correction
+        # vLLM records processed logprobs (after temperature: the distribution it sampled
+        # from, see VLLMEngine's logprobs_mode), so π is computed at the same temperature.
         temperature = self.config.actor_rollout_ref.rollout.temperature or 1.0
 
         # π_old: the trainer's logprobs before this update, recomputed once.
         prepared = [row for rows in self._with_old_logprobs(samples, temperature) for row in rows]
+        corr_metrics = self._attach_is_weights(prepared, correction.rollout_is, correction.rollout_is_threshold)
 
         sums: dict[str, float] = {}
         total_tokens = 0
-        mini = actor.ppo_mini_batch_size or len(prepared)
+        mini = self._mini_batch_samples(len(prepared))
         n_steps, done = actor.ppo_epochs * math.ceil(len(prepared) / mini), 0
         self.progress.update(done, n_steps)
         for _ in range(actor.ppo_epochs):
@@ -69,15 +73,43 @@ class Policy:
             rng.shuffle(order)
             for start in range(0, len(order), mini):
                 chunk = [prepared[i] for i in order[start : start + mini]]
-                metrics, tokens = self._optimizer_step(
-                    chunk, correction.rollout_is, correction.rollout_is_threshold, temperature
-                )
+                metrics, tokens = self._optimizer_step(chunk, temperature)
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value * tokens
                 total_tokens += tokens
                 done += 1
                 self.progress.update(done, n_steps)
-        return {key: value / max(total_tokens, 1) for key, value in sums.items()}
+        return {key: value / max(total_tokens, 1) for key, value in sums.items()} | corr_metrics
+
+    def _mini_batch_samples(self, n_samples: int) -> int:
+        """Samples per optimizer step: `ppo_mini_batch_size` counts prompts, as in verl, each
+        with `rollout.n` samples (the whole batch when null)."""
+        config = self.config.actor_rollout_ref
+        prompts = config.actor.ppo_mini_batch_size
+        return n_samples if prompts is None else prompts * config.rollout.n
+
+    def _attach_is_weights(
+        self,
+        prepared: list[tuple[Sample, dict[str, torch.Tensor]]],
+        rollout_is: Literal["token", "sequence"] | None,
+        threshold: float,
+    ) -> dict[str, float]:
+        """The rollout-correction weights of every sample, computed once over the whole batch
+        (π_old and μ do not change during the update), and their metrics, the batch's."""
+        if rollout_is is None:
+            return {}
+        batch = collate([sample for sample, _ in prepared], self.pad_token_id)
+        mask = batch["loss_mask"]
+        old = torch.zeros_like(mask)
+        for i, (_, extra) in enumerate(prepared):
+            old[i, : extra["old_logprobs"].shape[0]] = extra["old_logprobs"].float().cpu()
+        # Calls recorded without logprobs get μ = π_old (weight 1) rather than NaN.
+        behaviour = torch.where(torch.isnan(batch["behaviour_logprobs"]), old, batch["behaviour_logprobs"])
+        weights, metrics = rollout_correction_weights(old, behaviour, mask, rollout_is, threshold)
+        assert weights is not None  # rollout_is is set
+        for i, (sample, extra) in enumerate(prepared):
+            extra["is_weights"] = weights[i, : len(sample) - 1].to(self.device)
+        return metrics
 
     def _with_old_logprobs(
         self, samples: Sequence[Sample], temperature: float
@@ -100,15 +132,12 @@ class Policy:
         return out
 
     def _optimizer_step(
-        self,
-        chunk: list[tuple[Sample, dict[str, torch.Tensor]]],
-        rollout_is: Literal["token", "sequence"] | None,
-        threshold: float,
-        temperature: float,
+        self, chunk: list[tuple[Sample, dict[str, torch.Tensor]]], temperature: float
     ) -> tuple[dict[str, float], int]:
         actor = self.config.actor_rollout_ref.actor
         size = actor.ppo_micro_batch_size
-        n_tokens = sum(sample.num_loss_tokens for sample, _ in chunk)
+        # The token-mean's count is of the target-aligned mask the loss sums over.
+        n_tokens = sum(sample.num_target_tokens for sample, _ in chunk)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for start in range(0, len(chunk), size):
@@ -116,12 +145,13 @@ class Policy:
             t = {k: v.to(self.device) for k, v in collate([s for s, _ in part], self.pad_token_id).items()}
             width = t["loss_mask"].shape[1]
             old = torch.zeros_like(t["loss_mask"], dtype=torch.float32)
+            weights = torch.zeros_like(old) if "is_weights" in part[0][1] else None
             for i, (_, extra) in enumerate(part):
                 old[i, : extra["old_logprobs"].shape[0]] = extra["old_logprobs"][:width]
+                if weights is not None:
+                    weights[i, : extra["is_weights"].shape[0]] = extra["is_weights"][:width]
             mask = t["loss_mask"]
-            # Calls recorded without logprobs get μ = π_old (weight 1) rather than NaN.
             behaviour = torch.where(torch.isnan(t["behaviour_logprobs"]), old, t["behaviour_logprobs"])
-            weights, corr_metrics = rollout_correction_weights(old, behaviour, mask, rollout_is, threshold)
             logprobs = token_logprobs(self.model, t["input_ids"], t["attention_mask"], temperature=temperature)
             loss, metrics = ppo_policy_loss(
                 logprobs,
@@ -136,7 +166,7 @@ class Policy:
             # Token-mean over the whole mini-batch, accumulated across micro-batches.
             (loss * (part_tokens / max(n_tokens, 1))).backward()
             mismatch = ((behaviour - old) * mask).abs().sum().item() / max(part_tokens, 1)
-            metrics = {**metrics, **corr_metrics, "actor/behaviour_mismatch_abs": mismatch}
+            metrics = {**metrics, "actor/behaviour_mismatch_abs": mismatch}
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     sums[key] = sums.get(key, 0.0) + float(value) * part_tokens

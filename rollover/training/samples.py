@@ -51,6 +51,12 @@ class Sample:
     def num_loss_tokens(self) -> int:
         return sum(self.loss_mask)
 
+    @property
+    def num_target_tokens(self) -> int:
+        """Loss tokens the loss sees: a sequence's first token is never predicted (see
+        `collate`), so a loss mask on it trains nothing."""
+        return sum(self.loss_mask[1:])
+
 
 @dataclass
 class _Builder:

@@ -176,6 +176,8 @@ def test_command_line_and_environment(tmp_path: Path) -> None:
     assert argv[argv.index("--port") + 1] == "1234" and argv[argv.index("--host") + 1] == "127.0.0.1"
     assert argv[argv.index("--served-model-name") + 1] == "policy"
     assert "--enable-sleep-mode" not in argv and "--worker-extension-cls" in argv
+    # μ on the trainer's basis: logprobs after temperature, the distribution sampled from
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
     env = cpu._env()
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"

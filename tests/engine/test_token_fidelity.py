@@ -30,7 +30,7 @@ PROMPTS = [
 ]
 
 
-def sample(engine: VLLMEngine, prompt: str, seed: int) -> dict[str, Any]:
+def sample(engine: VLLMEngine, prompt: str, seed: int, temperature: float = 1.0) -> dict[str, Any]:
     resp = httpx.post(
         f"{engine.base_url}/chat/completions",
         timeout=120,
@@ -38,7 +38,7 @@ def sample(engine: VLLMEngine, prompt: str, seed: int) -> dict[str, Any]:
             "model": engine.served_model_name,
             "messages": [{"role": "user", "content": prompt}],
             "max_tokens": 48,
-            "temperature": 1.0,
+            "temperature": temperature,
             "seed": seed,
             "logprobs": True,
             "top_logprobs": 5,
@@ -51,19 +51,19 @@ def sample(engine: VLLMEngine, prompt: str, seed: int) -> dict[str, Any]:
     return resp.json()
 
 
-def compare(engine: VLLMEngine, model: torch.nn.Module, label: str) -> dict[str, float]:
+def compare(engine: VLLMEngine, model: torch.nn.Module, label: str, temperature: float = 1.0) -> dict[str, float]:
     diffs: list[float] = []
     top_diffs: list[float] = []
     log_ratio: list[float] = []
     for i, prompt in enumerate(PROMPTS):
-        body = sample(engine, prompt, seed=i)
+        body = sample(engine, prompt, seed=i, temperature=temperature)
         choice = body["choices"][0]
         prompt_ids, response_ids = body["prompt_token_ids"], choice["token_ids"]
         content = choice["logprobs"]["content"]
         assert len(content) == len(response_ids) > 0
         ids = torch.tensor([prompt_ids + response_ids])
         with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
+            logp = torch.log_softmax(model(ids).logits[0].double() / temperature, dim=-1)
         for t, (token, entry) in enumerate(zip(response_ids, content)):
             row = logp[len(prompt_ids) - 1 + t]
             mine = float(row[token])
@@ -119,3 +119,28 @@ def test_logprobs_match_after_weight_sync(vllm_engine: VLLMEngine, tiny_model_di
         restore_weights(vllm_engine, tiny_model_dir)
     assert stats["max_abs"] < 1e-3 and stats["mean_abs"] < 1e-4 and stats["top_max_abs"] < 1e-3
     assert abs(stats["kl_k3"]) < 1e-6
+
+
+def test_logprobs_are_the_sampled_distributions_at_a_temperature(vllm_engine: VLLMEngine, tiny_model_dir: Path) -> None:
+    """The engine records processed logprobs (VLLMEngine's logprobs_mode): at T != 1 they are
+    log softmax(z / T), the distribution sampled from and the basis the trainer computes π_old
+    on (token_logprobs divides the logits by the same T), so exp(π_old - μ) stays ~1."""
+    from transformers import AutoModelForCausalLM
+
+    from rollover.training.logprobs import token_logprobs
+
+    assert vllm_engine.logprobs_mode == "processed_logprobs"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    stats = compare(vllm_engine, model, "temperature 0.5", temperature=0.5)
+    assert stats["max_abs"] < 1e-3 and stats["mean_abs"] < 1e-4 and stats["top_max_abs"] < 1e-3
+    body = sample(vllm_engine, PROMPTS[0], seed=0, temperature=0.5)
+    ids = body["prompt_token_ids"] + body["choices"][0]["token_ids"]
+    recorded = [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]
+    with torch.no_grad():
+        ones = torch.ones(1, len(ids), dtype=torch.long)
+        trainer = token_logprobs(model, torch.tensor([ids]), ones, temperature=0.5)[
+            0, len(body["prompt_token_ids"]) - 1 :
+        ]
+        raw = token_logprobs(model, torch.tensor([ids]), ones)[0, len(body["prompt_token_ids"]) - 1 :]
+    assert max(abs(a - b) for a, b in zip(recorded, trainer.tolist())) < 1e-3
+    assert max(abs(a - b) for a, b in zip(recorded, raw.tolist())) > 1e-2  # a T = 1 basis would not match

@@ -168,9 +168,15 @@ def test_token_is_weights_clip_and_metrics() -> None:
     assert weights is not None
     assert weights[0].tolist() == pytest.approx([0.5, 1.5, 2.0, 2.0, 0.0], abs=1e-6)
     assert not weights.requires_grad  # stop-gradient
-    assert metrics["rollout_corr/is_mean"] == pytest.approx(6.0 / 4)
-    assert metrics["rollout_corr/is_max"] == pytest.approx(2.0)
+    # Before truncation, as verl reports them: is_max shows how far μ is, not C.
+    assert metrics["rollout_corr/is_mean"] == pytest.approx(7.5 / 4)
+    assert metrics["rollout_corr/is_max"] == pytest.approx(3.0)
     assert metrics["rollout_corr/clipped_fraction"] == pytest.approx(2 / 4)
+    assert metrics["rollout_corr/rollout_is_mean"] == metrics["rollout_corr/is_mean"]
+    assert metrics["rollout_corr/rollout_is_max"] == metrics["rollout_corr/is_max"]
+    assert metrics["rollout_corr/rollout_is_min"] == pytest.approx(0.5)
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(2 / 4)
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_low"] == 0.0  # 0.5 is not below 1/C
     # k1 KL(μ || π_old) = mean(log μ - log π_old) = -ln(0.5 * 1.5 * 3 * 2.5) / 4 = -ln(5.625) / 4
     assert metrics["rollout_corr/kl"] == pytest.approx(-math.log(5.625) / 4, abs=1e-6)
 
@@ -217,9 +223,10 @@ def test_sequence_is_weights_per_sample() -> None:
     expected = [[1.5, 1.5, 0.0], [2.0, 2.0, 0.0], [0.0, 0.0, 0.0]]
     assert weights.tolist() == [pytest.approx(row, abs=1e-5) for row in expected]
     assert not weights.requires_grad
-    assert metrics["rollout_corr/is_mean"] == pytest.approx((1.5 + 2.0) / 2, abs=1e-5)
-    assert metrics["rollout_corr/is_max"] == pytest.approx(2.0)
+    assert metrics["rollout_corr/is_mean"] == pytest.approx((1.5 + 4.0) / 2, abs=1e-5)  # before truncation
+    assert metrics["rollout_corr/is_max"] == pytest.approx(4.0, abs=1e-5)
     assert metrics["rollout_corr/clipped_fraction"] == pytest.approx(0.5)
+    assert metrics["rollout_corr/rollout_is_max"] == metrics["rollout_corr/is_max"]
     # kl over the 4 masked tokens: -(ln3 + ln0.5 + ln2 + ln2) / 4 = -ln6 / 4
     assert metrics["rollout_corr/kl"] == pytest.approx(-math.log(6.0) / 4, abs=1e-6)
 

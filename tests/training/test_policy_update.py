@@ -1,5 +1,6 @@
 """One PPO update on a real (tiny) transformer moves probability toward rewarded responses."""
 
+import math
 import random
 
 import pytest
@@ -77,3 +78,74 @@ def test_zero_advantage_changes_nothing():
     before = sequence_logprob(policy, ids)
     policy.update([make_sample(ids, 0.0, "a")], random.Random(0))
     assert sequence_logprob(policy, ids) == pytest.approx(before, abs=1e-6)
+
+
+def with_behaviour_of(policy, samples, log_ratios=None):
+    """Behaviour logprobs as the current policy's, shifted by `log_ratios` (logπ_old - logμ)."""
+    for k, s in enumerate(samples):
+        with torch.no_grad():
+            lp = policy.model(torch.tensor([s.input_ids])).logits[0, :-1].log_softmax(-1)
+        shift = 0.0 if log_ratios is None else log_ratios[k]
+        s.behaviour_logprobs = [0.0] + [lp[t, s.input_ids[t + 1]].item() - shift for t in range(len(s.input_ids) - 1)]
+    return samples
+
+
+def optimizer_steps(policy, samples):
+    seen = []
+
+    class Count:
+        def update(self, done, total):
+            seen.append(total)
+
+    policy.progress = Count()
+    policy.update(samples, random.Random(0))
+    return seen[-1]
+
+
+@pytest.mark.parametrize("mini,n,steps", [(None, 4, 1), (1, 4, 2), (2, 4, 1), (1, 2, 4)])
+def test_ppo_mini_batch_size_counts_prompts_times_rollout_n_as_in_verl(mini, n, steps):
+    policy = tiny_policy(
+        [
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini if mini else 'null'}",
+            f"actor_rollout_ref.rollout.n={n}",
+        ]
+    )
+    samples = [make_sample([2, 3, 4, 5 + k % 3, 6], 1.0 if k % 2 else -1.0, f"r{k}") for k in range(8)]
+    assert optimizer_steps(policy, samples) == steps
+
+
+def test_the_token_mean_counts_the_target_aligned_mask():
+    # A sample whose first token carries the loss mask (a response with no prompt): that token
+    # is never predicted, so it must not count. At π_θ = π_old with A = 1 the token-mean loss
+    # is exactly -1; counting the first token would report (and scale the gradient by) 3/4.
+    policy = tiny_policy()
+    ids = [2, 3, 4, 5]
+    sample = Sample("a", "g", ids, [1, 1, 1, 1], [0.0] * 4, [0] * 4, reward=1.0, advantage=1.0)
+    assert sample.num_target_tokens == 3 and sample.num_loss_tokens == 4
+    metrics = policy.update([sample], random.Random(0))
+    assert metrics["actor/pg_loss"] == pytest.approx(-1.0, abs=1e-6)
+
+
+def test_rollout_correction_metrics_are_the_whole_batchs_before_truncation():
+    # Two micro-batches of one sample each: μ three times less likely than π_old on every
+    # token of the first sample (raw weight 3 > C = 2), equal on the second (weight 1).
+    policy = tiny_policy(
+        [
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_is_threshold=2.0",
+            "actor_rollout_ref.actor.ppo_micro_batch_size=1",
+        ]
+    )
+    samples = with_behaviour_of(
+        policy,
+        [make_sample([2, 3, 4, 5, 6, 7], 1.0, "a"), make_sample([2, 3, 4, 8, 9], -1.0, "b")],
+        log_ratios=[math.log(3.0), 0.0],
+    )
+    metrics = policy.update(samples, random.Random(0))
+    assert metrics["rollout_corr/is_max"] == pytest.approx(3.0, rel=1e-4)  # not C, not a micro-batch mean
+    assert metrics["rollout_corr/rollout_is_max"] == metrics["rollout_corr/is_max"]
+    assert metrics["rollout_corr/rollout_is_min"] == pytest.approx(1.0, rel=1e-4)
+    # 3 tokens of weight 3, 2 of weight 1, over the batch's 5 loss tokens
+    assert metrics["rollout_corr/is_mean"] == pytest.approx((3 * 3.0 + 2 * 1.0) / 5, rel=1e-4)
+    assert metrics["rollout_corr/clipped_fraction"] == pytest.approx(3 / 5)
+    assert metrics["rollout_corr/kl"] == pytest.approx(-3 * math.log(3.0) / 5, rel=1e-4)
