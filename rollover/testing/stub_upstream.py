@@ -165,7 +165,11 @@ def create_stub_app(behaviour: StubBehaviour) -> FastAPI:
 
 
 def _chat_logprobs(token_ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
-    return [{"token": f"t{t}", "logprob": lp} for t, lp in zip(token_ids, logprobs)]
+    # As vLLM writes them (OpenAI's clients read `bytes` and `top_logprobs` too).
+    return [
+        {"token": f"t{t}", "logprob": lp, "bytes": list(f"t{t}".encode()), "top_logprobs": []}
+        for t, lp in zip(token_ids, logprobs)
+    ]
 
 
 async def _stream(
