@@ -38,6 +38,7 @@ from rollover.store.models import (
     RolloutCreate,
     RolloutState,
     StatusPatch,
+    last_call_per_prompt,
     trimmed_for_training,
 )
 from rollover.store.sqlite import RolloutNotFound, RolloutStore, StoreError
@@ -352,7 +353,8 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
             return _json((await store.triplets(rollout_id, attempt_id)).model_dump_json())
         events = await store.list_events(rollout_id, event_type=event_type or None, attempt_id=attempt_id)
         if format == "triplet":  # Agent Lightning's: model requests (trimmed) and rewards
-            kept = [trimmed_for_training(e) for e in events if e.event_type in ("model_request", "reward")]
+            relevant = [e for e in events if e.event_type in ("model_request", "reward")]
+            kept = [trimmed_for_training(e) for e in last_call_per_prompt(relevant)]
             return _json(_JSON_LIST.dump_json(kept))
         return _json(_EVENT_LIST.dump_json(events))
 

@@ -235,6 +235,24 @@ TRAINING_FIELDS = (
 )
 
 
+def last_call_per_prompt(events: list[Event]) -> list[Event]:
+    """`events` with only the last `model_request` for each prompt (its `prompt_token_ids`), as
+    Agent Lightning's `format=triplet` answers: a call retried with the same prompt is trained
+    once, on its last answer. A request without valid prompt ids is always kept."""
+    last: dict[tuple[int, ...], int] = {}
+    kept: set[int] = set()
+    for index, event in enumerate(events):
+        if event.event_type != "model_request":
+            continue
+        ids = event.data.get("prompt_token_ids") if isinstance(event.data, dict) else None
+        if isinstance(ids, list) and ids and all(type(token) is int for token in ids):
+            last[tuple(ids)] = index
+        else:
+            kept.add(index)
+    kept.update(last.values())
+    return [e for index, e in enumerate(events) if e.event_type != "model_request" or index in kept]
+
+
 def trimmed_for_training(event: Event) -> dict[str, Any]:
     """`event` as `format=triplet` answers it: a model request without its message bodies."""
     dumped = event.model_dump(mode="json")
