@@ -147,7 +147,7 @@ async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) 
         # The store may be a resumed run's: its gateway state (pause, engines) is a dead one's.
         await client.clear_models()
         await client.resume()
-        async with Controller(config, client, log_dir=run_dir / "agent_logs"):
+        async with Controller(config, client, log_dir=run_dir / "agent_logs") as controller:
             engine_lock = asyncio.Lock()
             trainer = Trainer(
                 config=config,
@@ -177,7 +177,8 @@ async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) 
                 try:
                     await _until_first_done(trainer.fit(policy.optimizer), watchdog.run(), gateway_watchdog.run())
                 except GatewayDied:
-                    client.retry_seconds = 0  # shutting down: nothing is going to bring it back
+                    # Shutting down with nothing to bring it back: no more waiting for it.
+                    client.retry_seconds = controller.stop_report_seconds = 0
                     raise
         summary = {k: v for k, v in trainer.history[-1].items()} if trainer.history else {}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -128,6 +128,9 @@ class Controller:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
+        # How long a stopping controller keeps trying to report its attempts' fate; 0 once
+        # the gateway is known to be gone for good (`rollover train` after GatewayDied).
+        self.stop_report_seconds = 10.0
         self._started = False
         self._paused_seen = 0.0
         self._last_paused_total: float | None = None
@@ -432,7 +435,7 @@ class Controller:
         try:
             await self._retry(
                 lambda: self.client.update_status(attempt.rollout_id, **fields),
-                give_up_after=10 if self._stopping else None,
+                give_up_after=self.stop_report_seconds if self._stopping else None,
             )
         except (ConflictError, NotFoundError):
             # Aborted (or deleted) while we finished: the trainer's word stands.

@@ -132,3 +132,28 @@ def test_gateway_bad_settings_are_exit_2_with_one_line(args, needle):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr
+
+
+@pytest.mark.parametrize(
+    "failure,needle",
+    [
+        ("gateway", "rollover train: the gateway died and 3 restart(s) did not bring it back"),
+        ("transport", "rollover train: the gateway stopped answering: ConnectError('refused')"),
+    ],
+)
+def test_train_that_loses_its_gateway_is_exit_1_with_one_line(monkeypatch, capsys, failure, needle):
+    from rollover import launch
+    from rollover.cli import logs
+    from rollover.cli.main import main
+    from rollover.gateway.server import GatewayDied
+
+    def run_training(config):
+        if failure == "gateway":
+            raise GatewayDied("the gateway died and 3 restart(s) did not bring it back (gateway.max_restarts=3): x")
+        raise httpx.ConnectError("refused")
+
+    monkeypatch.setattr(launch, "run_training", run_training)
+    monkeypatch.setattr(logs, "configure_logging", lambda *args, **kwargs: None)
+    assert main(["train", str(ROOT / "examples/calc/config.yaml")]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(needle), lines
