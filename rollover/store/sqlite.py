@@ -25,9 +25,18 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 from rollover import codec
+from rollover.store.errors import AttemptNotFound, IllegalTransition, InvalidValue, RolloutNotFound, StoreError
+from rollover.store.file import (
+    MAX_GROUP,
+    SCHEMA,
+    Checkpointer,
+    PendingWrite,
+    connect,
+    running_loop,
+)
 from rollover.store.models import (
     LEGAL_TRANSITIONS,
     Attempt,
@@ -45,80 +54,12 @@ from rollover.store.models import (
 
 T = TypeVar("T")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS rollouts (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    rollout_id TEXT NOT NULL UNIQUE,
-    input TEXT NOT NULL,
-    is_train INTEGER NOT NULL,
-    config TEXT NOT NULL,
-    metadata TEXT NOT NULL,
-    state TEXT NOT NULL,
-    k8s_job_name TEXT,
-    last_attempt_id TEXT,
-    error_message TEXT,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    started_at REAL,
-    finished_at REAL
-);
-CREATE INDEX IF NOT EXISTS rollouts_state ON rollouts(state, seq);
-CREATE TABLE IF NOT EXISTS attempts (
-    rollout_id TEXT NOT NULL,
-    attempt_id TEXT NOT NULL,
-    state TEXT NOT NULL,
-    started_at REAL NOT NULL,
-    finished_at REAL,
-    error_message TEXT,
-    PRIMARY KEY (rollout_id, attempt_id)
-);
-CREATE TABLE IF NOT EXISTS events (
-    event_id INTEGER PRIMARY KEY AUTOINCREMENT,
-    rollout_id TEXT NOT NULL,
-    attempt_id TEXT NOT NULL,
-    event_type TEXT NOT NULL,
-    data TEXT NOT NULL,
-    created_at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_rollout ON events(rollout_id, event_id);
-CREATE TABLE IF NOT EXISTS gateway_state (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL,
-    updated_at REAL NOT NULL
-);
-"""
-
-MAX_GROUP = 512  # writes committed together at most (bounds one transaction's time)
-CHECKPOINT_EVERY_COMMITS = 200  # ...or every second, whichever comes first
-CHECKPOINT_EVERY_SECONDS = 1.0
 _INSERT_ROLLOUT = (
     "INSERT INTO rollouts (rollout_id, input, is_train, config, metadata, state, created_at, updated_at)"
     " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _INSERT_EVENT = "INSERT INTO events (rollout_id, attempt_id, event_type, data, created_at) VALUES (?, ?, ?, ?, ?)"
 _DEFAULT_CONFIG_JSON = RolloutConfig.model_validate({}).model_dump_json()
-
-
-class StoreError(Exception):
-    status_code = 400
-
-
-class RolloutNotFound(StoreError):
-    status_code = 404
-
-
-class AttemptNotFound(StoreError):
-    status_code = 404
-
-
-class IllegalTransition(StoreError):
-    status_code = 409
-
-
-class InvalidValue(StoreError):
-    """A value that cannot be stored as standard JSON (see `rollover.codec`)."""
-
-    status_code = 422
 
 
 @dataclass(frozen=True)
@@ -130,90 +71,11 @@ class RolloutSnapshot:
     last_attempt_id: str | None = None
 
 
-@dataclass
-class _Write(Generic[T]):
-    """One write waiting for the next group commit, and where its result goes."""
-
-    fn: Callable[[sqlite3.Connection], T]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[T]
-    outcome: tuple[bool, Any] = (False, None)
-
-    def settle(self, current: asyncio.AbstractEventLoop | None) -> None:
-        if self.loop is current:
-            self._deliver()
-            return
-        try:
-            self.loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:  # that loop is closed: nobody is waiting any more
-            pass
-
-    def _deliver(self) -> None:
-        if self.future.done():  # the caller was cancelled; the write still happened
-            return
-        ok, value = self.outcome
-        if ok:
-            self.future.set_result(value)
-        else:
-            self.future.set_exception(value)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
 def _encode(value: Any, what: str) -> str:
     try:
         return codec.dumps_str(value)
     except codec.JSONCodecError as exc:
         raise InvalidValue(f"{what} cannot be stored as JSON: {exc}") from None
-
-
-def _connect(path: str, synchronous: str, *, uri: bool = False) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, uri=uri, check_same_thread=False, isolation_level=None)
-    conn.row_factory = sqlite3.Row
-    conn.execute(f"PRAGMA synchronous={synchronous}")
-    conn.execute("PRAGMA busy_timeout=5000")
-    return conn
-
-
-class _Checkpointer:
-    """Copies the WAL into the database file on a thread of its own, so the fsyncs this takes
-    never stall the event loop (the writer's automatic checkpoints are off)."""
-
-    def __init__(self, path: str, synchronous: str) -> None:
-        self._conn = _connect(path, synchronous)
-        self._wake = threading.Event()
-        self._stopping = False
-        self.commits = 0  # counted by the writer
-        self._thread = threading.Thread(target=self._run, name="rollover-store-checkpoint", daemon=True)
-        self._thread.start()
-
-    def committed(self) -> None:
-        self.commits += 1
-        if self.commits % CHECKPOINT_EVERY_COMMITS == 0:
-            self._wake.set()
-
-    def _run(self) -> None:
-        done = 0
-        while not self._stopping:
-            self._wake.wait(CHECKPOINT_EVERY_SECONDS)
-            self._wake.clear()
-            if self.commits != done:
-                done = self.commits
-                try:
-                    self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-                except sqlite3.Error:  # busy or failing: the next round tries again
-                    pass
-
-    def close(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        self._thread.join()
-        self._conn.close()
 
 
 class RolloutStore:
@@ -231,30 +93,30 @@ class RolloutStore:
             raise StoreError(f"read-only store {self.path} does not exist")
         if read_only:
             uri = f"file:{urllib.parse.quote(str(Path(self.path).resolve()))}?mode=ro"
-            self._conn = _connect(uri, synchronous, uri=True)
+            self._conn = connect(uri, synchronous, uri=True)
         else:
             if not in_memory:
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             uri = self.path
-            self._conn = _connect(uri, synchronous)
+            self._conn = connect(uri, synchronous)
             if not in_memory:
                 self._conn.execute("PRAGMA journal_mode=WAL")
                 self._conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer's job
-            self._conn.executescript(_SCHEMA)
+            self._conn.executescript(SCHEMA)
         self._snapshots = self._load_snapshots(self._conn)
-        self._pending: list[_Write[Any]] = []
+        self._pending: list[PendingWrite[Any]] = []
         self._flush_loop: asyncio.AbstractEventLoop | None = None  # where a flush is scheduled
         self._lock = threading.Lock()  # the store is meant for one event loop; this makes two safe
         self._closed = False
         # A file has a reader thread with its own connection (WAL readers never wait for the
         # writer), and a checkpointer; in memory there is one connection, used on the loop.
         self._reader: ThreadPoolExecutor | None = None
-        self._checkpointer: _Checkpointer | None = None
+        self._checkpointer: Checkpointer | None = None
         if not in_memory:
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollover-store-read")
-            self._read_conn = _connect(uri, synchronous, uri=read_only)
+            self._read_conn = connect(uri, synchronous, uri=read_only)
         if not in_memory and not read_only:
-            self._checkpointer = _Checkpointer(self.path, synchronous)
+            self._checkpointer = Checkpointer(self.path, synchronous)
 
     @staticmethod
     def _load_snapshots(conn: sqlite3.Connection) -> dict[str, RolloutSnapshot]:
@@ -288,7 +150,7 @@ class RolloutStore:
     async def _write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Runs `fn` in the next group commit and returns once that commit is done."""
         loop = asyncio.get_running_loop()
-        write = _Write(fn=fn, loop=loop, future=loop.create_future())
+        write = PendingWrite(fn=fn, loop=loop, future=loop.create_future())
         with self._lock:
             if self._closed:
                 raise StoreError("the store is closed")
@@ -305,7 +167,7 @@ class RolloutStore:
         page cache, cheaper than handing the work to a thread and back (measured: 52 vs 181 µs
         per event alone, 16k vs 3.8k events/s at 16 concurrent, where the thread waited for the
         GIL). synchronous=FULL adds an fsync per group commit here."""
-        current = _running_loop()
+        current = running_loop()
         with self._lock:
             batch, self._pending = self._pending[:MAX_GROUP], self._pending[MAX_GROUP:]
             self._flush_loop = None
@@ -317,7 +179,7 @@ class RolloutStore:
         for write in batch:
             write.settle(current)
 
-    def _commit_group(self, writes: list[_Write[Any]]) -> None:
+    def _commit_group(self, writes: list[PendingWrite[Any]]) -> None:
         """All `writes` in one transaction. A write refuses (a `StoreError`: an illegal
         transition, an unknown attempt) before it touches the file, so a refusal leaves the
         others; any other failure may have left a write half done, and then none of the group

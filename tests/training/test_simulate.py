@@ -24,8 +24,8 @@ from rollover.simulate import (
     window_sizes,
 )
 from rollover.simulate.cli import main
+from rollover.store.file import SCHEMA as _SCHEMA
 from rollover.store.models import RolloutState
-from rollover.store.sqlite import _SCHEMA
 from rollover.training.manager import AsyncRolloutManager
 from tests.runs import SEED_ASYNC_METRICS, SEED_TIMING_METRICS
 
