@@ -80,6 +80,9 @@ class GatewayClient:
         retry_cut_off = method in _IDEMPOTENT_METHODS if idempotent is None else idempotent
 
         def unreachable(exc: BaseException) -> bool:
+            # `retry_seconds` read at each failure: set to 0, calls already retrying stop too.
+            if self.retry_seconds <= 0:
+                return False
             return isinstance(exc, _NEVER_SENT) or (retry_cut_off and isinstance(exc, _CUT_OFF))
 
         if self.retry_seconds <= 0:
