@@ -122,6 +122,7 @@ class VLLMEngine:
         enforce_eager: bool = False,
         logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "processed_logprobs",
         tool_call_parser: str | None = "auto",
+        worker_in_engine_core: bool | None = None,
     ) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -151,6 +152,15 @@ class VLLMEngine:
             None if "--tool-call-parser" in self.extra_args else resolve_tool_call_parser(tool_call_parser, model_dir)
         )
         self.device = device
+        # On CPU vLLM runs its one worker in a process of its own, pinned to one core with the
+        # other reserved; run in the engine core's process instead (measured here, tiny model,
+        # 2 cores: ready in 22 s instead of 41 s, 64 x 64 tokens at 16 concurrent in 6.6 s
+        # instead of 13.4 s). None = on for CPU; GPU keeps vLLM's own executor.
+        self.worker_in_engine_core = (
+            (device == "cpu" and "--distributed-executor-backend" not in self.extra_args)
+            if worker_in_engine_core is None
+            else worker_in_engine_core
+        )
         self.gpu_memory_utilization = gpu_memory_utilization
         # Sleep mode is what frees GPU memory for the collocated trainer; vLLM's CPU
         # backend has nothing to free, so it is off there.
@@ -235,6 +245,8 @@ class VLLMEngine:
             args += ["--worker-extension-cls", WORKER_EXTENSION]
         if self.tool_call_parser is not None:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+        if self.worker_in_engine_core:
+            args += ["--distributed-executor-backend", "uni"]
         return args + list(self.extra_args)
 
     def _env(self) -> dict[str, str]:
@@ -249,6 +261,8 @@ class VLLMEngine:
         )
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gb)
+        if self.worker_in_engine_core:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # without it vLLM's CPU platform forces "mp"
         # vLLM's worker imports our extension: make this checkout importable there even
         # when rollover is not pip-installed.
         root = str(Path(__file__).resolve().parents[2])

@@ -98,9 +98,11 @@ class GatewayClient:
         response = await self._send(method, path, idempotent, **kwargs)
         if response.status_code >= 400:
             try:
-                reason = response.json().get("reason", response.text)
+                body = response.json()
             except ValueError:
-                reason = response.text
+                body = None
+            # Not every server in front of a gateway answers the gateway's error shape.
+            reason = str(body.get("reason", response.text)) if isinstance(body, dict) else response.text
             error = {409: ConflictError, 404: NotFoundError}.get(response.status_code, GatewayError)
             raise error(response.status_code, reason)
         return response.json()

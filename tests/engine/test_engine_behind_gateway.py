@@ -74,7 +74,9 @@ async def test_a_streamed_call_is_relayed_from_vllm_and_recorded_with_token_ids_
         assert payloads[-1] == "[DONE]"
         chunks = [json.loads(p) for p in payloads[:-1]]
         streamed_ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
-        assert len([c for c in chunks if c["choices"] and c["choices"][0].get("token_ids")]) > 1  # token by token
+        # How many tokens a chunk carries is vLLM's choice (it merges what the server has not sent
+        # yet); that chunks are relayed as they come is tested on the stand-in upstream.
+        assert streamed_ids and all(c["object"] == "chat.completion.chunk" for c in chunks)
         text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
         [event] = admin.get(f"/api/rollouts/{rid}/events").json()
         data = event["data"]

@@ -181,6 +181,8 @@ def test_command_line_and_environment(tmp_path: Path) -> None:
     env = cpu._env()
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"  # the worker in the engine core
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     gpu = VLLMEngine(
         tmp_path,
         device="cuda",
@@ -191,6 +193,7 @@ def test_command_line_and_environment(tmp_path: Path) -> None:
     )
     argv = gpu.command()
     assert "--enable-sleep-mode" in argv and argv[-2:] == ["--seed", "3"]
+    assert "--distributed-executor-backend" not in argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu._env()
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.4"
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert VLLMEngine(tmp_path, log_path=tmp_path / "c.log").port > 0  # port=0 picks a free one

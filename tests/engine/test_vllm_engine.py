@@ -53,7 +53,7 @@ def test_started_and_serves_models(vllm_engine: VLLMEngine) -> None:
     assert vllm_engine.start_seconds is not None
     print(f"\nvLLM start: {vllm_engine.start_seconds:.1f} s")
     models = httpx.get(f"{vllm_engine.base_url}/models", timeout=10).json()
-    assert [m["id"] for m in models["data"]] == ["policy"]
+    assert [m["id"] for m in models["data"]] == ["policy", vllm_engine.instance_name]  # and this launch's own name
 
 
 def test_chat_returns_token_ids_and_logprobs(vllm_engine: VLLMEngine, tiny_model_dir: Path) -> None:
@@ -95,13 +95,15 @@ def test_eos_token_is_in_token_ids_with_its_logprob(vllm_engine: VLLMEngine, tin
     from transformers import AutoTokenizer
 
     eos = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token_id
-    # logit_bias forces eos; the reported logprob is the raw model's (before the bias).
+    # logit_bias forces eos; the reported logprob is of the distribution it was sampled from
+    # (processed logprobs: after the bias), which the trainer's rollout correction weighs.
     choice = chat(vllm_engine, temperature=1.0, logprobs=True, return_token_ids=True, logit_bias={str(eos): 100})[
         "choices"
     ][0]
     assert choice["token_ids"] == [eos] and choice["finish_reason"] == "stop"
     assert len(choice["logprobs"]["content"]) == 1
-    assert choice["logprobs"]["content"][0]["logprob"] < -1
+    assert vllm_engine.logprobs_mode == "processed_logprobs"
+    assert choice["logprobs"]["content"][0]["logprob"] > -0.01  # the bias made eos all but certain
 
 
 def test_weight_load_changes_output_and_bumps_version(
