@@ -166,7 +166,16 @@ class GatewayClient:
         if isinstance(fields.get("state"), RolloutState):
             fields["state"] = fields["state"].value
         body = {"status": fields}
-        return Rollout.model_validate(await self._request("PATCH", f"/api/rollouts/{rollout_id}", json=body))
+        state = RolloutState(fields["state"]) if fields.get("state") is not None else None
+        # Sent twice, a claim of a named attempt or a move to a final state changes nothing the
+        # second time (the store answers a repeat as a no-op); a re-queue could undo someone
+        # else's claim made in between, so it is not repeated after an ambiguous failure.
+        idempotent = state is not None and (
+            state.terminal or (state == RolloutState.RUNNING and bool(fields.get("last_attempt_id")))
+        )
+        return Rollout.model_validate(
+            await self._request("PATCH", f"/api/rollouts/{rollout_id}", json=body, idempotent=idempotent)
+        )
 
     async def delete_rollout(self, rollout_id: str) -> None:
         await self._request("DELETE", f"/api/rollouts/{rollout_id}")

@@ -4,6 +4,9 @@ its clients ride the gap out, and a port taken by another server is not mistaken
 from __future__ import annotations
 
 import asyncio
+import http.server
+import json
+import threading
 
 import httpx
 import pytest
@@ -126,3 +129,62 @@ def test_a_port_asked_for_and_taken_is_an_error_naming_it(tmp_path, foreign_serv
     gateway = GatewayProcess(store=str(tmp_path / "store.db"), admin_key=ADMIN_KEY, port=foreign_server)
     with pytest.raises(PortTaken, match=f"port {foreign_server} .* taken by another server"):
         gateway.start()
+
+
+@pytest.fixture
+def gateway_that_drops_first_patches(gateway):
+    """A proxy in front of the test gateway that hands on the first PATCH of each rollout to
+    each state, then hangs up without answering: as if the gateway died after committing it."""
+    dropped: list[tuple[str, str]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            self._relay("GET")
+
+        def do_POST(self) -> None:
+            self._relay("POST")
+
+        def do_PATCH(self) -> None:
+            self._relay("PATCH")
+
+        def _relay(self, method: str) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            headers = {"Authorization": self.headers["Authorization"], "Content-Type": "application/json"}
+            answer = httpx.request(method, gateway.url + self.path, content=body, headers=headers)
+            change = (self.path, json.loads(body)["status"].get("state")) if method == "PATCH" else None
+            if change is not None and change not in dropped:
+                dropped.append(change)
+                self.close_connection = True
+                return
+            self.send_response(answer.status_code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer.content)))
+            self.end_headers()
+            self.wfile.write(answer.content)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", dropped
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_a_claim_cut_off_after_its_commit_is_retried_and_a_requeue_is_not(gateway_that_drops_first_patches):
+    url, dropped = gateway_that_drops_first_patches
+    async with GatewayClient(url, ADMIN_KEY, retry_seconds=30) as client:
+        await client.enqueue([{"rollout_id": "r-claim", "input": {}}, {"rollout_id": "r-requeue", "input": {}}])
+        claimed = await client.update_status("r-claim", state="running", last_attempt_id="a1")
+        assert claimed.state == "running" and claimed.status.last_attempt_id == "a1" and len(claimed.attempts) == 1
+        await client.update_status("r-requeue", state="running", last_attempt_id="a1")
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.update_status("r-requeue", state="queuing")
+        assert (await client.get_rollout("r-requeue")).state == "queuing"  # committed once, not repeated
+    assert [state for _, state in dropped] == ["running", "running", "queuing"]
