@@ -10,7 +10,6 @@ leader, `rollover.engine.supervisor`) -> vLLM API server -> engine core -> worke
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
@@ -27,6 +26,7 @@ from typing import Any, Literal
 
 import httpx
 
+from rollover.engine.tool_calls import resolve_tool_call_parser
 from rollover.gateway.client import GatewayClient, GatewayError, is_transient
 from rollover.processes import (
     child_pids,
@@ -64,27 +64,6 @@ class GatewayRegistrationError(EngineError):
 
 class _PrefixCacheBusy(Exception):
     """vLLM kept cached blocks because requests still hold them."""
-
-
-def chat_template_of(model_dir: str | Path) -> str:
-    """The chat template a model folder ships (either place transformers keeps it), or ""."""
-    folder = Path(model_dir)
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text()
-    try:
-        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
-    except (OSError, ValueError):
-        return ""
-    return template if isinstance(template, str) else ""
-
-
-def resolve_tool_call_parser(setting: str | None, model_dir: str | Path) -> str | None:
-    """`auto`: vLLM's `hermes` parser when the model's template writes `<tool_call>` blocks
-    (the bundled models' and Qwen2.5's do), else none; any other name is vLLM's parser name."""
-    if setting != "auto":
-        return setting
-    return "hermes" if "<tool_call>" in chat_template_of(model_dir) else None
 
 
 class VLLMEngine:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from rollover.config import load_config
-from rollover.engine.vllm_engine import VLLMEngine, resolve_tool_call_parser
+from rollover.engine.tool_calls import resolve_tool_call_parser
+from rollover.engine.vllm_engine import VLLMEngine
 from rollover.modelzoo.chat_template import chatml_template
 
 
