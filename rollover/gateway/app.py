@@ -312,6 +312,13 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         rollouts = await store.list_rollouts(state_in=state_in, rollout_ids=rollout_id, limit=limit)
         return _json(_ROLLOUT_LIST.dump_json(rollouts))
 
+    @app.get("/api/rollouts/terminal", dependencies=admin_only)
+    async def list_terminal_rollouts(
+        request: Request, after: int = Query(0, ge=0), limit: int = Query(1000, ge=1, le=100000)
+    ) -> Response:
+        """Agent Lightning's cursor over finished rollouts ("terminal" is no rollout id)."""
+        return _json((await store.terminal_page(after, limit)).model_dump_json())
+
     @app.get("/api/rollouts/{rollout_id}", dependencies=rollout_reader)
     async def get_rollout(request: Request, rollout_id: str) -> Response:
         return _json((await store.get_rollout(rollout_id)).model_dump_json())

@@ -182,6 +182,24 @@ class TripletBundle(_Wire):
     triplets: list[Triplet]
 
 
+class TerminalRollout(_Wire):
+    """A finished rollout in `GET /api/rollouts/terminal`, without its input or config."""
+
+    rollout_id: str
+    state: RolloutState
+    data_id: str  # the input's `data_id` (or `instance_id`), "" when it has none
+    is_train: bool
+
+
+class TerminalRolloutsPage(_Wire):
+    """Finished rollouts in the order they finished, from the cursor `after`: pass `next_after`
+    back to get only those finished since (Agent Lightning's paged completion log)."""
+
+    items: list[TerminalRollout]
+    next_after: int
+    total_terminal: int
+
+
 class ModelEndpoint(_Wire):
     model: str = Field(min_length=1)
     endpoint: str = Field(min_length=1, pattern=r"^https?://")

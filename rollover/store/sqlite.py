@@ -48,6 +48,8 @@ from rollover.store.models import (
     RolloutState,
     RolloutStatus,
     StatusFields,
+    TerminalRollout,
+    TerminalRolloutsPage,
     Triplet,
     TripletBundle,
 )
@@ -286,6 +288,34 @@ class RolloutStore:
 
     async def get_rollout(self, rollout_id: str) -> Rollout:
         return await self._read(lambda conn: self._load(conn, rollout_id))
+
+    async def terminal_page(self, after: int, limit: int) -> TerminalRolloutsPage:
+        """Finished rollouts in the order they finished (then the order they were made),
+        `limit` of them from position `after` of that order."""
+
+        def query(conn: sqlite3.Connection) -> TerminalRolloutsPage:
+            terminal = "state IN ('succeeded', 'failed')"
+            total = conn.execute(f"SELECT COUNT(*) FROM rollouts WHERE {terminal}").fetchone()[0]
+            rows = conn.execute(
+                f"SELECT rollout_id, state, input, is_train FROM rollouts WHERE {terminal}"
+                " ORDER BY finished_at, seq LIMIT ? OFFSET ?",
+                (limit, after),
+            ).fetchall()
+            items = []
+            for row in rows:
+                data = codec.loads(row["input"])
+                data_id = (data.get("data_id") or data.get("instance_id") or "") if isinstance(data, dict) else ""
+                items.append(
+                    TerminalRollout(
+                        rollout_id=row["rollout_id"],
+                        state=RolloutState(row["state"]),
+                        data_id=str(data_id),
+                        is_train=bool(row["is_train"]),
+                    )
+                )
+            return TerminalRolloutsPage(items=items, next_after=after + len(items), total_terminal=total)
+
+        return await self._read(query)
 
     async def list_rollouts(
         self,

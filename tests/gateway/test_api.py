@@ -160,3 +160,26 @@ def test_models_registry(admin):
     assert admin.get("/api/models").json()[0]["policy_version"] == 4
     admin.delete("/api/models")
     assert admin.get("/api/models").json() == []
+
+
+def test_terminal_rollouts_page_in_the_order_they_finished(admin, gateway):
+    """Agent Lightning's `GET /api/rollouts/terminal`: a cursor over finished rollouts."""
+    ids = [
+        admin.post("/api/rollouts", json=[{"input": {"data_id": f"d{i}"}, "is_train": i != 1}]).json()[0]["rollout_id"]
+        for i in range(3)
+    ]
+    for rollout_id, state in ((ids[2], "succeeded"), (ids[0], "failed")):
+        claim(admin, rollout_id)
+        assert admin.patch(f"/api/rollouts/{rollout_id}", json={"status": {"state": state}}).status_code == 200
+    first = admin.get("/api/rollouts/terminal", params={"after": 0, "limit": 1}).json()
+    assert first == {
+        "items": [{"rollout_id": ids[2], "state": "succeeded", "data_id": "d2", "is_train": True}],
+        "next_after": 1,
+        "total_terminal": 2,
+    }
+    rest = admin.get("/api/rollouts/terminal", params={"after": first["next_after"]}).json()
+    assert [(i["rollout_id"], i["state"]) for i in rest["items"]] == [(ids[0], "failed")] and rest["next_after"] == 2
+    assert admin.get("/api/rollouts/terminal", params={"after": 2}).json()["items"] == []
+    assert admin.get("/api/rollouts/terminal", params={"after": -1}).status_code == 422
+    agent = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, ids[1], 'a1')}"}
+    assert httpx.get(f"{gateway.url}/api/rollouts/terminal", headers=agent).status_code == 403
