@@ -10,7 +10,7 @@ from pathlib import Path
 
 from examples.calc.task import PROSE_ANSWER, demonstration, make_tasks
 from rollover.config import RolloverConfig
-from rollover.training.data import write_tasks
+from rollover.training.data import default_task_files
 
 TRAIN_SIZE, VAL_SIZE = 2000, 128
 # Long enough that the tiny model copies operands and the tool's result reliably (at 300
@@ -41,17 +41,12 @@ def prepare_smollm2(config: RolloverConfig) -> RolloverConfig:
 
 def _prepare(config: RolloverConfig, build: Callable[[Path], Path], model_name: str) -> RolloverConfig:
     cache = Path(config.trainer.default_local_dir) / "_cache" / "calc"
-    data = config.data
-    if data.train_files is None:
-        path = cache / "train.jsonl"
-        if not path.exists():
-            write_tasks(path, make_tasks(TRAIN_SIZE, seed=1))
-        data.train_files = str(path)
-    if data.val_files is None:
-        path = cache / "val.jsonl"
-        if not path.exists():
-            write_tasks(path, make_tasks(VAL_SIZE, seed=2, start=TRAIN_SIZE))
-        data.val_files = str(path)
+    default_task_files(
+        config.data,
+        cache,
+        lambda: make_tasks(TRAIN_SIZE, seed=1),
+        lambda: make_tasks(VAL_SIZE, seed=2, start=TRAIN_SIZE),
+    )
     model = config.actor_rollout_ref.model
     if model.path is None:
         model.path = str(build(cache / model_name))

@@ -12,7 +12,7 @@ from typing import Any
 
 from rollover.config import RolloverConfig
 from rollover.modelzoo.toolcalls import DEFAULT_TOOLS, ToolSpec, tool_call_transcripts, warm_up_tool_calls
-from rollover.training.data import write_tasks
+from rollover.training.data import default_task_files
 
 TRAIN_SIZE, VAL_SIZE = 1000, 64
 WARMUP_STEPS = int(os.environ.get("ROLLOVER_MCP_CALC_WARMUP_STEPS", "60"))
@@ -61,17 +61,7 @@ def smollm2_tools_model(out: Path) -> Path:
 
 def prepare(config: RolloverConfig) -> RolloverConfig:
     cache = Path(config.trainer.default_local_dir) / "_cache" / "mcp_calc"
-    data = config.data
-    if data.train_files is None:
-        path = cache / "train.jsonl"
-        if not path.exists():
-            write_tasks(path, make_tasks(TRAIN_SIZE, seed=1))
-        data.train_files = str(path)
-    if data.val_files is None:
-        path = cache / "val.jsonl"
-        if not path.exists():
-            write_tasks(path, make_tasks(VAL_SIZE, seed=2))
-        data.val_files = str(path)
+    default_task_files(config.data, cache, lambda: make_tasks(TRAIN_SIZE, seed=1), lambda: make_tasks(VAL_SIZE, seed=2))
     model = config.actor_rollout_ref.model
     if model.path is None:
         model.path = str(smollm2_tools_model(cache / MODEL_NAME))

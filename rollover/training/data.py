@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rollover.config import DataConfig
 from rollover.jsonl import jsonl_values
 from rollover.training.manager import Prompt
 
@@ -33,6 +35,22 @@ def write_tasks(path: str | Path, tasks: list[dict[str, Any]]) -> Path:
         for task in tasks:
             handle.write(json.dumps(task) + "\n")
     return path
+
+
+def default_task_files(
+    data: DataConfig,
+    cache: Path,
+    train: Callable[[], list[dict[str, Any]]],
+    val: Callable[[], list[dict[str, Any]]],
+) -> None:
+    """A setup hook's part: where `data.train_files` / `data.val_files` are unset, point them at
+    `cache`/train.jsonl and val.jsonl, written once from `train()` / `val()`."""
+    for key, name, make in (("train_files", "train.jsonl", train), ("val_files", "val.jsonl", val)):
+        if getattr(data, key) is None:
+            path = cache / name
+            if not path.exists():
+                write_tasks(path, make())
+            setattr(data, key, str(path))
 
 
 class PromptLoader:
