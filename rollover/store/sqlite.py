@@ -39,20 +39,18 @@ from rollover.store.file import (
 )
 from rollover.store.models import (
     LEGAL_TRANSITIONS,
-    Attempt,
     Event,
     EventCreate,
     Rollout,
     RolloutConfig,
     RolloutCreate,
     RolloutState,
-    RolloutStatus,
     StatusFields,
-    TerminalRollout,
     TerminalRolloutsPage,
     Triplet,
     TripletBundle,
 )
+from rollover.store.rows import attempts_of, new_rollout, reward_value, rollout_from_row, terminal_rollout_from_row
 
 T = TypeVar("T")
 
@@ -277,7 +275,7 @@ class RolloutStore:
                         created[rollout_id] = self._load(conn, rollout_id)
                     else:
                         rows.append(row)
-                        created[rollout_id] = _new_rollout(rollout_id, item, now)
+                        created[rollout_id] = new_rollout(rollout_id, item, now)
             conn.executemany(_INSERT_ROLLOUT, rows)
             result = [created[row[0]] for _, row in prepared]
             for rollout_id, rollout in created.items():
@@ -301,18 +299,7 @@ class RolloutStore:
                 " ORDER BY finished_at, seq LIMIT ? OFFSET ?",
                 (limit, after),
             ).fetchall()
-            items = []
-            for row in rows:
-                data = codec.loads(row["input"])
-                data_id = (data.get("data_id") or data.get("instance_id") or "") if isinstance(data, dict) else ""
-                items.append(
-                    TerminalRollout(
-                        rollout_id=row["rollout_id"],
-                        state=RolloutState(row["state"]),
-                        data_id=str(data_id),
-                        is_train=bool(row["is_train"]),
-                    )
-                )
+            items = [terminal_rollout_from_row(row) for row in rows]
             return TerminalRolloutsPage(items=items, next_after=after + len(items), total_terminal=total)
 
         return await self._read(query)
@@ -345,8 +332,8 @@ class RolloutStore:
 
         def query(conn: sqlite3.Connection) -> list[Rollout]:
             rows = conn.execute(sql, params).fetchall()
-            attempts = self._attempts_of(conn, [row["rollout_id"] for row in rows])
-            return [self._from_row(row, attempts.get(row["rollout_id"], [])) for row in rows]
+            attempts = attempts_of(conn, [row["rollout_id"] for row in rows])
+            return [rollout_from_row(row, attempts.get(row["rollout_id"], [])) for row in rows]
 
         return await self._read(query)
 
@@ -501,7 +488,7 @@ class RolloutStore:
         for event in events:
             data = event.data if isinstance(event.data, dict) else {}
             if event.event_type == "reward":
-                reward = _reward_value(data, reward)
+                reward = reward_value(data, reward)
             elif event.event_type == "model_request" and data.get("response_token_ids") is not None:
                 recorded = data.get("choices")  # n > 1: one triplet per choice
                 choices: list[dict[str, Any]] = recorded if isinstance(recorded, list) else [data]
@@ -536,7 +523,7 @@ class RolloutStore:
                 ).fetchall()
                 for row in rows:
                     data = codec.loads_lenient(row["data"])
-                    found[row["rollout_id"]] = _reward_value(
+                    found[row["rollout_id"]] = reward_value(
                         data if isinstance(data, dict) else {}, found[row["rollout_id"]]
                     )
             return found
@@ -549,78 +536,9 @@ class RolloutStore:
         row = conn.execute("SELECT * FROM rollouts WHERE rollout_id=?", (rollout_id,)).fetchone()
         if row is None:
             raise RolloutNotFound(f"rollout {rollout_id} not found")
-        return self._from_row(row, self._attempts_of(conn, [rollout_id]).get(rollout_id, []))
-
-    @staticmethod
-    def _attempts_of(conn: sqlite3.Connection, rollout_ids: list[str]) -> dict[str, list[Attempt]]:
-        found: dict[str, list[Attempt]] = {}
-        # Chunked because SQLite caps the number of bound parameters per statement.
-        for start in range(0, len(rollout_ids), 500):
-            chunk = rollout_ids[start : start + 500]
-            rows = conn.execute(
-                f"SELECT * FROM attempts WHERE rollout_id IN ({','.join('?' * len(chunk))}) ORDER BY started_at",
-                chunk,
-            ).fetchall()
-            for row in rows:
-                found.setdefault(row["rollout_id"], []).append(
-                    Attempt(
-                        attempt_id=row["attempt_id"],
-                        state=row["state"],
-                        started_at=row["started_at"],
-                        finished_at=row["finished_at"],
-                        error_message=row["error_message"],
-                    )
-                )
-        return found
-
-    @staticmethod
-    def _from_row(row: sqlite3.Row, attempts: list[Attempt]) -> Rollout:
-        return Rollout(
-            rollout_id=row["rollout_id"],
-            input=codec.loads_lenient(row["input"]),
-            is_train=bool(row["is_train"]),
-            config=RolloutConfig.model_validate_json(row["config"]),
-            metadata=codec.loads_lenient(row["metadata"]),
-            status=RolloutStatus(
-                state=row["state"],
-                k8s_job_name=row["k8s_job_name"],
-                last_attempt_id=row["last_attempt_id"],
-                error_message=row["error_message"],
-                created_at=row["created_at"],
-                updated_at=row["updated_at"],
-            ),
-            attempts=attempts,
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-            started_at=row["started_at"],
-            finished_at=row["finished_at"],
-        )
-
-
-def _reward_value(data: dict[str, Any], previous: float | None) -> float | None:
-    """A reward event's value; a malformed one leaves the previous reward in place."""
-    value = data.get("value")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return previous
+        return rollout_from_row(row, attempts_of(conn, [rollout_id]).get(rollout_id, []))
 
 
 def _error_message(conn: sqlite3.Connection, rollout_id: str) -> str | None:
     row = conn.execute("SELECT error_message FROM rollouts WHERE rollout_id=?", (rollout_id,)).fetchone()
     return None if row is None else row[0]
-
-
-def _new_rollout(rollout_id: str, item: RolloutCreate, now: float) -> Rollout:
-    """The rollout just inserted for `item`, built from the validated request (no re-read;
-    handing over validated sub-models is cheaper than `model_construct`, measured)."""
-    return Rollout(
-        rollout_id=rollout_id,
-        input=item.input,
-        is_train=item.is_train,
-        config=item.config,
-        metadata=item.metadata,
-        status=RolloutStatus(state=RolloutState.QUEUING, created_at=now, updated_at=now),
-        attempts=[],
-        created_at=now,
-        updated_at=now,
-    )
