@@ -7,6 +7,7 @@ import json
 import os
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -39,6 +40,19 @@ def admin(gateway: GatewayThread) -> Iterator[httpx.Client]:
         yield client
 
 
+@contextmanager
+def serve_http(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[int]:
+    """A small HTTP server on loopback, on a thread, for as long as the block runs; its port."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture
 def foreign_server() -> Iterator[int]:
     """Another program's HTTP server (the port-race tests): 200 and a body that looks like a
@@ -56,14 +70,8 @@ def foreign_server() -> Iterator[int]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_http(Handler) as port:
+        yield port
 
 
 # -- one warmed-up calc model and one vLLM server for the whole session -------------------

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 from rollover.engine.vllm_engine import EngineError, GatewayRegistrationError, VLLMEngine
 from rollover.engine.weights import save_weights
 from rollover.testing.engine import restore_weights
+from tests.conftest import serve_http
 
 pytestmark = pytest.mark.vllm
 
@@ -158,14 +158,8 @@ class _Recorder(BaseHTTPRequestHandler):
 @pytest.fixture
 def fake_gateway() -> Iterator[tuple[str, type[_Recorder]]]:
     handler = type("Recorder", (_Recorder,), {"calls": [], "status": 200})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", handler
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_http(handler) as port:
+        yield f"http://127.0.0.1:{port}", handler
 
 
 async def test_registers_with_gateway_after_each_load(

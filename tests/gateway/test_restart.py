@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
-import threading
 
 import httpx
 import pytest
@@ -17,7 +16,7 @@ from rollover.gateway.auth import scoped_key
 from rollover.gateway.client import GatewayClient
 from rollover.gateway.server import GatewayDied, GatewayProcess, GatewayThread, GatewayWatchdog, PortTaken
 from rollover.processes import free_port
-from tests.conftest import ADMIN_KEY
+from tests.conftest import ADMIN_KEY, serve_http
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 ENGINE = {"model": "policy", "endpoint": "http://127.0.0.1:9/v1", "policy_version": 3}
@@ -167,14 +166,8 @@ def gateway_that_drops_first_patches(gateway):
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", dropped
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_http(Handler) as port:
+        yield f"http://127.0.0.1:{port}", dropped
 
 
 async def test_a_claim_cut_off_after_its_commit_is_retried_and_a_requeue_is_not(gateway_that_drops_first_patches):
