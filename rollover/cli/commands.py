@@ -150,10 +150,11 @@ def simulate(args: argparse.Namespace) -> int:
 
 
 def report(args: argparse.Namespace) -> int:
-    from rollover.metrics.report import ReportError, write_report
+    from rollover.metrics.report import ReportError, summary_text, write_report
 
     try:
         print(write_report(args.run_dir, args.out))
+        print(summary_text(args.run_dir))
     except ReportError as exc:
         raise UsageError(str(exc)) from None
     return 0

@@ -1,11 +1,13 @@
 import json
 
 import matplotlib.image as mpimg
+import matplotlib.pyplot as plt
 import pytest
 
 from rollover.cli.main import main
+from rollover.config import dump_config, load_config
 from rollover.metrics import MetricsLogger, read_jsonl, summarize
-from rollover.metrics.report import write_report
+from rollover.metrics.report import build_figure, run_label, write_report
 
 
 def test_summarize_quantiles():
@@ -53,3 +55,70 @@ def test_report_cli_errors_are_clear(tmp_path, capsys):
     assert "metrics.jsonl not found" in capsys.readouterr().err
     assert main(["report", str(recorded_run(tmp_path))]) == 0
     assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def evaluated_run(tmp_path, config=True):
+    """Training metrics at steps 0..10, held-out ones at 0, 5 and 10, and the launcher's config.yaml."""
+    rows = [{"step": s, "reward/mean": 0.05 * s, "timing/step_s": 1.0 + s} for s in range(11)]
+    for row in rows:
+        if row["step"] in (0, 5, 10):
+            row |= {"val/reward_mean": 0.2 + 0.02 * row["step"], "val/accuracy": 0.3 + 0.03 * row["step"]}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if config:
+        overrides = [
+            "agentlightning.async_rollout.enabled=true",
+            "agentlightning.async_rollout.async_train_batch_size=8",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.model.path=/models/SmolLM2-135M-Instruct",
+            "actor_rollout_ref.model.served_model_name=smol",
+        ]
+        (tmp_path / "config.yaml").write_text(dump_config(load_config(None, overrides)))
+    return tmp_path
+
+
+def lines_by_label(figure):
+    return {line.get_label(): line for axis in figure.axes for line in axis.get_lines()}
+
+
+def test_report_draws_held_out_points_as_markers_and_names_mode_and_model(tmp_path):
+    figure = build_figure(evaluated_run(tmp_path))
+    try:
+        lines = lines_by_label(figure)
+        for key in ("val/reward_mean", "val/accuracy"):
+            held_out = lines[f"{key} (held-out)"]
+            assert list(held_out.get_xdata()) == [0, 5, 10]
+            assert held_out.get_linestyle() == "None" and held_out.get_marker() not in (None, "None", "", " ")
+        train = lines["reward/mean"]
+        assert list(train.get_xdata()) == list(range(11)) and train.get_linestyle() == "-"
+        title = figure.get_suptitle()
+        assert "async (async_train_batch_size=8, train_batch_size=4)" in title
+        assert "SmolLM2-135M-Instruct" in title and "/models" not in title and "smol" in title
+    finally:
+        plt.close(figure)
+
+
+def test_report_cli_prints_held_out_values_and_mode_model(tmp_path, capsys):
+    assert main(["report", str(evaluated_run(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "mode: async" in out and "model: SmolLM2-135M-Instruct (served as smol)" in out
+    assert "held-out at step 0: reward_mean 0.200, accuracy 0.300" in out
+    assert "held-out at step 5: reward_mean 0.300, accuracy 0.450" in out
+    assert "held-out at step 10: reward_mean 0.400, accuracy 0.600" in out
+
+
+def test_report_without_config_says_unknown(tmp_path, capsys):
+    run = evaluated_run(tmp_path, config=False)
+    figure = build_figure(run)
+    try:
+        assert "mode: unknown" in figure.get_suptitle() and "model: unknown" in figure.get_suptitle()
+    finally:
+        plt.close(figure)
+    assert main(["report", str(run)]) == 0
+    assert "mode: unknown · model: unknown" in capsys.readouterr().out
+    assert (run / "report.png").stat().st_size > 10_000
+
+
+def test_report_names_sync_mode(tmp_path):
+    run = evaluated_run(tmp_path, config=False)
+    (run / "config.yaml").write_text(dump_config(load_config(None, ["data.train_batch_size=4"])))
+    assert run_label(run).startswith("mode: sync (train_batch_size=4)")
