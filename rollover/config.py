@@ -1,5 +1,8 @@
 """Typed configuration: the models below, a run's YAML and `key=value` overrides.
 
+This module is over 600 lines on purpose: it is the schema, one model per section and one
+description per key; split, a reader would hunt a key across files.
+
 The pydantic models are the one place a key, its default and its one-line description live;
 `rollover/configs/default.yaml` is generated from them (`rollover.config_yaml`, `rollover config defaults`; a test
 fails when the shipped file is stale). Keys follow the seed document (and verl where verl has
@@ -63,6 +66,9 @@ class DataConfig(_Section):
 class ModelConfig(_Section):
     path: str | None = Field(default=None, description="HF model folder (examples build one when null)")
     served_model_name: str = Field(default="policy", description="the model name vLLM serves and agents ask for")
+    enable_gradient_checkpointing: bool = Field(
+        default=False, description="recompute activations in the backward pass: less memory, more compute"
+    )
 
 
 class ValKwargs(_Section):
@@ -78,6 +84,19 @@ class RolloutConfig(_Section):
         default="float32", description="vLLM weights dtype: float32 | bfloat16 | float16 | auto"
     )
     kv_cache_space_gb: int = Field(default=1, gt=0, description="vLLM CPU KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="GPU: the share of each device's memory vLLM may take (the trainer has the rest)",
+    )
+    tensor_model_parallel_size: int = Field(
+        default=1, ge=1, description="devices per engine; engines per node = trainer.n_gpus_per_node / this"
+    )
+    engine_host: str = Field(
+        default="127.0.0.1",
+        description="address engines listen on and register under; a run over several nodes sets each node's own",
+    )
     enforce_eager: bool = Field(default=True, description="skip graph capture/compilation: faster engine start")
     engine_args: list[str] = Field(default=[], description="extra vLLM server arguments")
     engine_kwargs: dict[str, dict[str, Any]] = Field(
@@ -122,6 +141,19 @@ class PolicyLossConfig(_Section):
     )
 
 
+class FSDPConfig(_Section):
+    param_offload: bool = Field(
+        default=False,
+        description="GPU: parameters, gradients and the optimizer step on the host (FSDP2 CPUOffloadPolicy)",
+    )
+    optimizer_offload: bool = Field(
+        default=False, description="verl's key: the same offload as param_offload (FSDP2 offloads them together)"
+    )
+    mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
+        default="auto", description="auto = bf16 compute with fp32 gradient reduction on GPU, fp32 on CPU"
+    )
+
+
 class ActorConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="the policy's optimizer")
     ppo_epochs: int = Field(default=1, gt=0, description="passes over each batch")
@@ -140,6 +172,7 @@ class ActorConfig(_Section):
     policy_loss: PolicyLossConfig = Field(
         default_factory=PolicyLossConfig, description="verl's policy-loss section (Agent Lightning sets it)"
     )
+    fsdp_config: FSDPConfig = Field(default_factory=FSDPConfig, description="FSDP2 over the trainer ranks")
 
 
 class ActorRolloutRefConfig(_Section):
@@ -150,6 +183,10 @@ class ActorRolloutRefConfig(_Section):
 
 class GatewayConfig(_Section):
     host: str = Field(default="127.0.0.1", description="address the gateway listens on")
+    advertise_url: str | None = Field(
+        default=None,
+        description="URL other nodes use to reach the gateway (host 0.0.0.0 runs); null = http://host:port",
+    )
     port: int = Field(default=0, ge=0, le=65535, description="0 = pick a free port (its URL is printed)")
     store: str | None = Field(
         default=None, description="SQLite file or :memory:; null = store.db in the run folder (or working directory)"
@@ -361,6 +398,10 @@ class TrainerConfig(_Section):
     save_freq: int = Field(default=0, ge=0, description="checkpoint every N steps; 0 = only at the end")
     test_freq: int = Field(default=0, ge=0, description="held-out evaluation every N steps; 0 = before and after only")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto | cpu | cuda")
+    nnodes: int = Field(default=1, ge=1, description="nodes of the run (torchrun --nnodes)")
+    n_gpus_per_node: int = Field(
+        default=1, ge=1, description="trainer ranks per node (GPUs; on CPU, processes), each holding an FSDP2 shard"
+    )
     seed: int = Field(default=0, description="seed of the update's mini-batch shuffling")
 
     @property
@@ -385,7 +426,26 @@ class RolloverConfig(_Section):
     def _rules_across_sections(self) -> RolloverConfig:
         self._adopt_agent_lightning_names()
         self.check_async_window()
+        self.check_device_pool()
         return self
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.nnodes * self.trainer.n_gpus_per_node
+
+    @property
+    def engines_per_node(self) -> int:
+        return self.trainer.n_gpus_per_node // self.actor_rollout_ref.rollout.tensor_model_parallel_size
+
+    def check_device_pool(self) -> None:
+        """Each engine takes `tensor_model_parallel_size` of the node's devices, none left over."""
+        per_node = self.trainer.n_gpus_per_node
+        tp = self.actor_rollout_ref.rollout.tensor_model_parallel_size
+        if per_node % tp:
+            raise ValueError(
+                f"trainer.n_gpus_per_node={per_node} must be a multiple of "
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} (engines per node = the quotient)"
+            )
 
     def _adopt_agent_lightning_names(self) -> None:
         """Agent Lightning's names for Rollover keys win when set (`load_config` refuses a

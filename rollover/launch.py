@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollover.config import ConfigError, GatewaySettings, RolloverConfig, check_async_rollout, dump_config
+from rollover.distributed.world import World
 
 if TYPE_CHECKING:
+    from rollover.distributed.commands import CommandChannel
     from rollover.engine.vllm_engine import VLLMEngine
 
 
@@ -61,12 +63,46 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return checkpoint if (checkpoint / "trainer_state.json").is_file() else None
 
 
-def run_training(config: RolloverConfig, engine: VLLMEngine | None = None) -> int:
-    """The whole system for one run. `engine`: an already running `VLLMEngine` serving the
-    same tokenizer (tests share one across runs); its weights are reset to the run's model."""
+def run_training(config: RolloverConfig, engine: VLLMEngine | None = None, world: World | None = None) -> int:
+    """The whole system for one run, on rank 0 of `world` (the other ranks follow it, see
+    `rollover.distributed`). `engine`: an already running `VLLMEngine` serving the same
+    tokenizer (tests share one across runs); its weights are reset to the run's model."""
     check_async_rollout(config)
-    config = apply_setup_hook(config)
-    return asyncio.run(_run(config, engine))
+    world = world or World()
+    channel = None
+    if world.distributed:
+        from rollover.distributed.commands import CommandChannel, Stop
+
+        channel = CommandChannel()
+    try:
+        config = apply_setup_hook(config)
+        return asyncio.run(_run(config, engine, world, channel))
+    finally:
+        if channel is not None:
+            channel.send(Stop("rank 0 is done"))
+
+
+def run_training_reporting_errors(config: RolloverConfig, world: World) -> int:
+    """`run_training`, with what ends a run told in one line on stderr (exit code 1); a bad
+    config still raises `ConfigError`/`ValueError` (the caller's exit code 2)."""
+    import httpx
+
+    from rollover.engine.vllm_engine import EngineError
+    from rollover.gateway.server import GatewayDied
+
+    try:
+        return run_training(config, world=world)
+    except (ConfigError, ValueError):
+        raise
+    except EngineError as exc:
+        print(f"rollover train: the inference engine failed: {exc}", file=sys.stderr)
+        return 1
+    except GatewayDied as exc:
+        print(f"rollover train: {exc}", file=sys.stderr)
+        return 1
+    except httpx.TransportError as exc:
+        print(f"rollover train: the gateway stopped answering: {exc!r}", file=sys.stderr)
+        return 1
 
 
 def _required(value: str | None, key: str) -> str:
@@ -75,9 +111,12 @@ def _required(value: str | None, key: str) -> str:
     return value
 
 
-async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) -> int:
+async def _run(
+    config: RolloverConfig, shared_engine: VLLMEngine | None, world: World, channel: CommandChannel | None
+) -> int:
     from rollover.controller import Controller
-    from rollover.engine.vllm_engine import VLLMEngine
+    from rollover.distributed.commands import Hello, LeaderPolicy, LeaderWeightSync
+    from rollover.engine.pool import node_engines, wait_all_ready
     from rollover.engine.watchdog import EngineWatchdog
     from rollover.engine.weight_sync import EngineWeightSync
     from rollover.gateway.client import GatewayClient
@@ -85,7 +124,7 @@ async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) 
     from rollover.metrics import MetricsLogger
     from rollover.metrics.console import LiveConsole, RunSummary
     from rollover.training.data import read_tasks
-    from rollover.training.policy import Policy, pick_device
+    from rollover.training.policy import Policy
     from rollover.training.trainer import Trainer
 
     train_tasks = read_tasks(_required(config.data.train_files, "data.train_files"))
@@ -106,21 +145,7 @@ async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) 
         GatewaySettings.from_config(config, store=config.gateway.store_path(run_dir)), log_path=run_dir / "gateway.log"
     )
     admin_key = gateway.admin_key
-    rollout = config.actor_rollout_ref.rollout
-    device = pick_device(config.trainer.device).type
-    engine = shared_engine or VLLMEngine(
-        model_path,
-        served_model_name=config.actor_rollout_ref.model.served_model_name,
-        max_model_len=rollout.max_model_len,
-        dtype=rollout.dtype,
-        kv_cache_space_gb=rollout.kv_cache_space_gb,
-        extra_args=rollout.vllm_flags(),
-        tool_call_parser=rollout.tool_call_parser,
-        enforce_eager=rollout.enforce_eager,
-        log_path=run_dir / "engine.log",
-        start_timeout_s=rollout.start_timeout_seconds,
-        device="cuda" if device == "cuda" else "cpu",
-    )
+    engines = [shared_engine] if shared_engine is not None else node_engines(config, model_path, run_dir, world)
     started = time.monotonic()
     metrics = MetricsLogger(
         run_dir,
@@ -134,48 +159,64 @@ async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) 
     client: GatewayClient | None = None
     try:
         gateway.start()
+        gateway_url = config.gateway.advertise_url or gateway.url
         print(f"gateway {gateway.url}  run folder {run_dir}", file=sys.stderr, flush=True)
+        if channel is not None:
+            policy_version = _checkpoint_version(checkpoint)
+            channel.send(Hello(model_path, str(run_dir), gateway_url, admin_key, policy_version))
         if shared_engine is None:
-            engine.start()
-        policy = await asyncio.to_thread(Policy, model_path, config)
+            for engine in engines:
+                engine.start()
+        policy = await asyncio.to_thread(Policy, model_path, config, world)
         if shared_engine is None:
-            await asyncio.to_thread(engine.wait_ready)
+            await wait_all_ready(engines)
         else:
-            engine.attach_gateway(gateway.url, admin_key)  # not the previous run's gateway
-            await engine.load_weights(model_path, version=0)
+            shared_engine.attach_gateway(gateway.url, admin_key)  # not the previous run's gateway
+            await shared_engine.load_weights(model_path, version=0)
         client = GatewayClient(gateway.url, admin_key)
         # The store may be a resumed run's: its gateway state (pause, engines) is a dead one's.
         await client.clear_models()
         await client.resume()
+        locks = [asyncio.Lock() for _ in engines]
+        weight_sync: Any = EngineWeightSync(engines, run_dir / "weights" / f"node{world.node_rank}", locks)
+        trainer_policy: Any = policy
+        if channel is not None:
+            trainer_policy, weight_sync = LeaderPolicy(policy, channel), LeaderWeightSync(weight_sync, channel)
         async with Controller(config, client, log_dir=run_dir / "agent_logs") as controller:
-            engine_lock = asyncio.Lock()
             trainer = Trainer(
                 config=config,
                 client=client,
-                policy=policy,
-                weight_sync=EngineWeightSync(engine, run_dir / "weights", engine_lock),
+                policy=trainer_policy,
+                weight_sync=weight_sync,
                 train_tasks=train_tasks,
                 val_tasks=val_tasks,
                 metrics=metrics,
                 run_dir=run_dir,
+                world_size=world.size,
             )
             if live is not None:
                 trainer.progress = policy.progress = live
             if checkpoint is not None:
-                _restore(trainer, policy, checkpoint)
+                _restore(trainer, trainer_policy, checkpoint)
                 stranded = await trainer.reconcile_after_restart()
                 print(
                     f"resumed {checkpoint.name}: step {trainer.global_step}, aborted {stranded} stranded rollouts",
                     file=sys.stderr,
                 )
-            engine.policy_version = trainer.policy_version
-            engine.attach_gateway(gateway.url, admin_key)
-            await engine.register_with_gateway(gateway.url, admin_key)
-            watchdog = EngineWatchdog(engine, engine_lock, max_restarts=rollout.max_engine_restarts)
+            for engine in engines:
+                engine.policy_version = trainer.policy_version
+                engine.attach_gateway(gateway_url, admin_key)
+                await engine.register_with_gateway(gateway_url, admin_key)
+            if world.distributed:
+                await asyncio.to_thread(_barrier)  # every node's engines serve
+            max_restarts = config.actor_rollout_ref.rollout.max_engine_restarts
+            watchdogs = [
+                EngineWatchdog(engine, lock, max_restarts=max_restarts).run() for engine, lock in zip(engines, locks)
+            ]
             gateway_watchdog = GatewayWatchdog(gateway, max_restarts=config.gateway.max_restarts)
             with live if live is not None else contextlib.nullcontext():
                 try:
-                    await _until_first_done(trainer.fit(policy.optimizer), watchdog.run(), gateway_watchdog.run())
+                    await _until_first_done(trainer.fit(), *watchdogs, gateway_watchdog.run())
                 except GatewayDied:
                     # Shutting down with nothing to bring it back: no more waiting for it.
                     client.retry_seconds = controller.stop_report_seconds = 0
@@ -191,9 +232,10 @@ async def _run(config: RolloverConfig, shared_engine: VLLMEngine | None = None) 
         if client is not None:
             await client.aclose()
         if shared_engine is None:
-            engine.stop()
+            for engine in engines:
+                engine.stop()
         else:
-            engine.gateway_url = None  # this run's gateway is going away
+            shared_engine.gateway_url = None  # this run's gateway is going away
         gateway.stop()
 
 
@@ -217,10 +259,30 @@ async def _until_first_done(main: Any, *guards: Any) -> Any:
     return main_task.result()
 
 
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _checkpoint_version(checkpoint: Path | None) -> int:
+    if checkpoint is None:
+        return 0
+    return int(json.loads((checkpoint / "trainer_state.json").read_text())["policy_version"])
+
+
 def _restore(trainer: Any, policy: Any, checkpoint: Path) -> None:
-    import torch
+    """The trainer's state, then the model and optimizer: sharded (any number of ranks), or
+    an older run's `optimizer.pt` (its model is the folder the policy was loaded from)."""
+    from rollover.training.trainer import TRAINING_STATE
 
     trainer.load_state_dict(json.loads((checkpoint / "trainer_state.json").read_text()))
+    if (checkpoint / TRAINING_STATE).is_dir():
+        policy.load_training_state(checkpoint / TRAINING_STATE)
+        return
     optimizer_state = checkpoint / "optimizer.pt"
     if optimizer_state.is_file():
-        policy.optimizer.load_state_dict(torch.load(optimizer_state, map_location=policy.device))
+        import torch
+
+        # load_state_dict moves the state onto each parameter's device.
+        policy.optimizer.load_state_dict(torch.load(optimizer_state, map_location="cpu"))

@@ -67,32 +67,33 @@ def config_show(args: argparse.Namespace) -> int:
 def train(args: argparse.Namespace) -> int:
     from rollover.cli.logs import configure_logging
     from rollover.config import load_config
+    from rollover.distributed.world import World
 
     try:
         config = load_config(args.config, args.overrides)
     except (ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    # Only now: a bad config is reported without first importing torch and vLLM (seconds).
-    import httpx
+    if World.from_env().distributed:
+        from rollover.distributed.__main__ import main as rank_main
 
-    from rollover.engine.vllm_engine import EngineError
-    from rollover.gateway.server import GatewayDied
-    from rollover.launch import run_training
+        return rank_main([*([args.config] if args.config else []), *args.overrides])
+    if config.world_size > 1:
+        if config.trainer.nnodes > 1:
+            raise UsageError(
+                f"trainer.nnodes={config.trainer.nnodes}: start every node with torchrun "
+                f"--nnodes {config.trainer.nnodes} --nproc-per-node {config.trainer.n_gpus_per_node} "
+                "--rdzv-backend c10d --rdzv-endpoint HOST:PORT -m rollover.distributed CONFIG [key=value ...]"
+            )
+        from rollover.distributed.launcher import launch_single_node
 
+        return launch_single_node(config.trainer.n_gpus_per_node, args.config, args.overrides)
+    from rollover.launch import run_training_reporting_errors
+
+    configure_logging()
     try:
-        configure_logging()
-        return run_training(config)
+        return run_training_reporting_errors(config, World())
     except (ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    except EngineError as exc:
-        print(f"rollover train: the inference engine failed: {exc}", file=sys.stderr)
-        return 1
-    except GatewayDied as exc:
-        print(f"rollover train: {exc}", file=sys.stderr)
-        return 1
-    except httpx.TransportError as exc:
-        print(f"rollover train: the gateway stopped answering: {exc!r}", file=sys.stderr)
-        return 1
 
 
 def controller(args: argparse.Namespace) -> int:

@@ -45,6 +45,11 @@ WORKER_EXTENSION = "rollover.engine.weights.RolloverWorkerExtension"
 PORT_ATTEMPTS = 5  # ports tried when the one picked is taken before vLLM binds it
 
 
+_LAUNCHER_VARIABLES = frozenset(
+    {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT"}
+)
+
+
 class EngineError(RuntimeError):
     """The engine refused or failed an operation."""
 
@@ -229,7 +234,10 @@ class VLLMEngine:
         return args + list(self.extra_args)
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        # A trainer rank's launcher variables would make vLLM think it is one of its ranks.
+        env = {
+            k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")
+        }
         env.update(
             VLLM_SERVER_DEV_MODE="1",
             HF_HUB_OFFLINE="1",

@@ -210,6 +210,9 @@ class GatewayClient:
             for e in await self._request("POST", "/api/models", json=body, idempotent=True)
         ]
 
+    async def list_models(self) -> list[ModelEndpoint]:
+        return [ModelEndpoint.model_validate(e) for e in await self._request("GET", "/api/models")]
+
     async def clear_models(self) -> None:
         await self._request("DELETE", "/api/models")
 

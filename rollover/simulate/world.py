@@ -192,6 +192,9 @@ class SimulatedGateway:
         self._drain_left = 0.0
         self._inflight = 0
 
+    async def list_models(self) -> list[Any]:
+        return []  # the simulated world has agents' durations, not engines
+
     async def resume(self) -> ProxyState:
         self._paused = False
         self._reason = None
@@ -284,6 +287,9 @@ class VirtualPolicy:
 
     def save(self, directory: str | Path) -> Path:
         return Path(directory)
+
+    def save_training_state(self, directory: str | Path) -> None:
+        return None
 
 
 class VirtualWeightSync:

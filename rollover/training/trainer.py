@@ -34,6 +34,7 @@ from rollover.training.manager import (
 from rollover.training.samples import Sample, build_samples
 
 log = logging.getLogger("rollover.trainer")
+TRAINING_STATE = "training_state"  # a checkpoint's sharded model and optimizer (torch.distributed.checkpoint)
 
 
 class DrainTimeout(RuntimeError):
@@ -55,6 +56,8 @@ class PolicyLike(Protocol):
 
     def save(self, directory: str | Path) -> Path: ...
 
+    def save_training_state(self, directory: str | Path) -> None: ...
+
 
 @dataclass
 class Trainer:
@@ -70,6 +73,7 @@ class Trainer:
     poll_interval: float = 0.2
     clock: Callable[[], float] = time.monotonic  # `rollover simulate` drives the trainer in virtual time
     progress: Progress = field(default_factory=NullProgress)  # live display of the running step
+    world_size: int = 1  # trainer ranks taking part in each update
 
     def __post_init__(self) -> None:
         check_async_rollout(self.config)
@@ -295,6 +299,7 @@ class Trainer:
         samples, sample_metrics = await self._collect_samples(result.completed_groups)
         update_metrics: dict[str, float] = {}
         update_s = sync_s = 0.0
+        n_engines = await self._live_engines()
         if samples:
             self.progress.update(0, 0)
             await self.weight_sync.before_update()
@@ -329,6 +334,14 @@ class Trainer:
             "timing/rollout_wait_s": rollout_wait,
             "timing/update_s": update_s,
             "timing/weight_sync_s": sync_s,
+            "trainer/world_size": self.world_size,
+            "rollout/n_engines": n_engines,
+            # Every token of every sample, through each PPO epoch (π_old's pass not counted).
+            "perf/update_tokens_per_s": (
+                sum(len(s) for s in samples) * self.config.actor_rollout_ref.actor.ppo_epochs / update_s
+                if update_s > 0
+                else 0.0
+            ),
             # The pause that ended as this step's rollout began: drain, update, weight sync
             # and anything else the previous step did while agents were held off.
             "timing/gateway_pause_s": previous_pause or 0.0,
@@ -337,6 +350,10 @@ class Trainer:
             "timing/trainer_idle_fraction": (rollout_wait + drain) / step_s if step_s > 0 else 0.0,
         }
         return metrics
+
+    async def _live_engines(self) -> int:
+        """Engines the gateway routes to now (those registered and live)."""
+        return sum(1 for m in await self.client.list_models() if getattr(m, "live", True))
 
     # -- evaluation -----------------------------------------------------------------------
 
@@ -379,15 +396,14 @@ class Trainer:
             "rng": self.rng.getstate(),
         }
 
-    def save_checkpoint(self, optimizer: torch.optim.Optimizer | None = None) -> Path:
+    def save_checkpoint(self) -> Path:
         assert self.run_dir is not None
         root = self.run_dir / "checkpoints"
         final = root / f"step_{self.global_step}"
         partial = root / f".step_{self.global_step}.partial"
         partial.mkdir(parents=True, exist_ok=True)
-        self.policy.save(partial / "model")
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), partial / "optimizer.pt")
+        self.policy.save(partial / "model")  # what engines and users load
+        self.policy.save_training_state(partial / TRAINING_STATE)
         state = self.state_dict()
         state["rng"] = [state["rng"][0], list(state["rng"][1]), state["rng"][2]]
         (partial / "trainer_state.json").write_text(json.dumps(state))
@@ -434,7 +450,7 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.log(self.global_step, metrics)
 
-    async def fit(self, optimizer: torch.optim.Optimizer | None = None) -> list[dict[str, float]]:
+    async def fit(self) -> list[dict[str, float]]:
         trainer_cfg = self.config.trainer
         total = trainer_cfg.total_training_steps
         if self.global_step == 0:
@@ -452,7 +468,7 @@ class Trainer:
             if self.run_dir is not None and (
                 last or (trainer_cfg.save_freq and self.global_step % trainer_cfg.save_freq == 0)
             ):
-                self.save_checkpoint(optimizer)
+                self.save_checkpoint()
         await self.abort_carry_over("training finished")
         val = await self.validate()
         if val:

@@ -147,7 +147,7 @@ def test_train_that_loses_its_gateway_is_exit_1_with_one_line(monkeypatch, capsy
     from rollover.cli.main import main
     from rollover.gateway.server import GatewayDied
 
-    def run_training(config):
+    def run_training(config, **kwargs):
         if failure == "gateway":
             raise GatewayDied("the gateway died and 3 restart(s) did not bring it back (gateway.max_restarts=3): x")
         raise httpx.ConnectError("refused")

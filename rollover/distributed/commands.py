@@ -1,0 +1,140 @@
+"""Rank 0 drives the other ranks: every collective step of a run is a command it broadcasts
+and then carries out itself, so all ranks enter each collective in the same order.
+
+`LeaderPolicy` and `LeaderWeightSync` are what rank 0's `Trainer` holds: the trainer's
+protocols, each call first announced to the other ranks.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rollover.engine.weight_sync import EngineWeightSync
+from rollover.training.policy import Policy, UpdatePlan
+from rollover.training.samples import Sample
+
+
+@dataclass
+class Hello:
+    """The run as rank 0 prepared it: what every rank loads and where the gateway is."""
+
+    model_path: str
+    run_dir: str
+    gateway_url: str
+    admin_key: str
+    policy_version: int
+
+
+@dataclass
+class Update:
+    plan: UpdatePlan
+
+
+@dataclass
+class BeforeUpdate:
+    pass
+
+
+@dataclass
+class SyncWeights:
+    version: int
+
+
+@dataclass
+class SaveModel:
+    directory: str
+
+
+@dataclass
+class SaveTrainingState:
+    directory: str
+
+
+@dataclass
+class LoadTrainingState:
+    directory: str
+
+
+@dataclass
+class Stop:
+    reason: str
+
+
+Command = Hello | Update | BeforeUpdate | SyncWeights | SaveModel | SaveTrainingState | LoadTrainingState | Stop
+
+
+class CommandChannel:
+    """Broadcast from rank 0 (gloo or NCCL: objects are pickled by torch)."""
+
+    def send(self, command: Command) -> None:
+        dist.broadcast_object_list([command], src=0)
+
+    def receive(self) -> Command:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+class LeaderPolicy:
+    """Rank 0's `PolicyLike`: announces each collective, then takes part in it."""
+
+    def __init__(self, local: Policy, channel: CommandChannel) -> None:
+        self.local = local
+        self.channel = channel
+        self.tokenizer = local.tokenizer
+        self.optimizer = local.optimizer
+
+    @property
+    def progress(self) -> Any:
+        return self.local.progress
+
+    @progress.setter
+    def progress(self, value: Any) -> None:
+        self.local.progress = value
+
+    def update(self, samples: Sequence[Sample], rng: random.Random) -> dict[str, float]:
+        plan = self.local.plan(samples, rng)
+        self.channel.send(Update(plan))
+        return self.local.run_update(plan)
+
+    def save(self, directory: str | Path) -> Path:
+        self.channel.send(SaveModel(str(directory)))
+        return self.local.save(directory)
+
+    def save_training_state(self, directory: str | Path) -> None:
+        self.channel.send(SaveTrainingState(str(directory)))
+        self.local.save_training_state(directory)
+
+    def load_training_state(self, directory: str | Path) -> None:
+        self.channel.send(LoadTrainingState(str(directory)))
+        self.local.load_training_state(directory)
+
+    def full_state_dict(self, *, keep: bool) -> dict[str, torch.Tensor]:
+        return self.local.full_state_dict(keep=keep)
+
+
+class LeaderWeightSync:
+    """Rank 0's `WeightSync`: every node's leader reloads its own engines from the weights
+    it assembled; rank 0 returns once all of them have (a barrier)."""
+
+    def __init__(self, local: EngineWeightSync, channel: CommandChannel) -> None:
+        self.local = local
+        self.channel = channel
+
+    async def before_update(self) -> None:
+        self.channel.send(BeforeUpdate())
+        await self.local.before_update()
+
+    async def sync(self, policy: Any, version: int) -> None:
+        import asyncio
+
+        self.channel.send(SyncWeights(version))
+        await self.local.sync(getattr(policy, "local", policy), version)
+        await asyncio.to_thread(dist.barrier)

@@ -1,0 +1,112 @@
+"""Every rank but 0: hold a shard, take part in each command rank 0 broadcasts, and on the
+local rank 0 of other nodes, run that node's engines (started, registered with the gateway,
+reloaded after each update, restarted by their watchdogs)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from rollover.config import RolloverConfig
+from rollover.distributed.commands import (
+    BeforeUpdate,
+    CommandChannel,
+    Hello,
+    LoadTrainingState,
+    SaveModel,
+    SaveTrainingState,
+    Stop,
+    SyncWeights,
+    Update,
+)
+from rollover.distributed.world import World
+from rollover.engine.pool import node_engines, wait_all_ready
+from rollover.engine.vllm_engine import VLLMEngine
+from rollover.engine.watchdog import EngineWatchdog
+from rollover.engine.weight_sync import EngineWeightSync
+from rollover.training.policy import Policy
+
+log = logging.getLogger("rollover.distributed")
+T = TypeVar("T")
+
+
+class NodeLoop:
+    """An event loop on a thread of its own for the node's engines (their watchdogs run
+    there while the main thread waits on rank 0's next command)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rollover-node-engines", daemon=True)
+        self.thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def follow(config: RolloverConfig, world: World) -> int:
+    channel = CommandChannel()
+    hello = channel.receive()
+    if isinstance(hello, Stop):
+        return 0
+    assert isinstance(hello, Hello), f"expected Hello first, got {hello!r}"
+    run_dir = Path(hello.run_dir)
+    owns_engines = world.is_node_leader and world.node_rank > 0  # node 0's are rank 0's
+    engines: list[VLLMEngine] = node_engines(config, hello.model_path, run_dir, world) if owns_engines else []
+    node = NodeLoop()
+    locks: list[asyncio.Lock] = []
+    try:
+        for engine in engines:
+            engine.start()
+        policy = Policy(hello.model_path, config, world)
+        if engines:
+            node.run(wait_all_ready(engines))
+            locks = node.run(_attach(engines, hello))
+            for engine, lock in zip(engines, locks):
+                watchdog = EngineWatchdog(
+                    engine, lock, max_restarts=config.actor_rollout_ref.rollout.max_engine_restarts
+                )
+                asyncio.run_coroutine_threadsafe(watchdog.run(), node.loop)
+        dist.barrier()  # every node's engines serve: rank 0 starts rollouts
+        weight_sync = EngineWeightSync(engines, run_dir / "weights" / f"node{world.node_rank}", locks or None)
+        while True:
+            command = channel.receive()
+            if isinstance(command, Stop):
+                return 0
+            if isinstance(command, Update):
+                policy.run_update(command.plan)
+            elif isinstance(command, BeforeUpdate):
+                node.run(weight_sync.before_update())
+            elif isinstance(command, SyncWeights):
+                node.run(weight_sync.sync(policy, command.version))
+                dist.barrier()
+            elif isinstance(command, SaveModel):
+                policy.save(command.directory)
+            elif isinstance(command, SaveTrainingState):
+                policy.save_training_state(command.directory)
+            elif isinstance(command, LoadTrainingState):
+                policy.load_training_state(command.directory)
+            else:
+                raise RuntimeError(f"rank {world.rank}: unknown command {command!r}")
+    finally:
+        for engine in engines:
+            engine.stop()
+        node.close()
+
+
+async def _attach(engines: list[VLLMEngine], hello: Hello) -> list[asyncio.Lock]:
+    """Register the node's engines with the one gateway; their locks live on this loop."""
+    for engine in engines:
+        engine.policy_version = hello.policy_version
+        engine.attach_gateway(hello.gateway_url, hello.admin_key)
+        await engine.register_with_gateway(hello.gateway_url, hello.admin_key)
+    return [asyncio.Lock() for _ in engines]

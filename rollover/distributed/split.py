@@ -1,0 +1,20 @@
+"""Splitting a batch across ranks so that each does about the same work."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def balanced_split(lengths: Sequence[int], n_parts: int) -> list[list[int]]:
+    """Indices of `lengths` in `n_parts` parts with near-equal sums (longest first, each to
+    the lightest part; ties to the lowest part). Deterministic, so every rank computes the
+    same split; each part keeps the batch's order. One part is the whole batch in order."""
+    if n_parts < 1:
+        raise ValueError(f"n_parts must be at least 1, got {n_parts}")
+    loads = [0] * n_parts
+    parts: list[list[int]] = [[] for _ in range(n_parts)]
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        lightest = min(range(n_parts), key=lambda p: (loads[p], p))
+        parts[lightest].append(index)
+        loads[lightest] += lengths[index]
+    return [sorted(part) for part in parts]
