@@ -6,6 +6,9 @@ call it, in the same order.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,17 +71,27 @@ def full_state_dict(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Te
     return out
 
 
+@contextlib.contextmanager
+def _one_process_is_intended() -> Iterator[None]:
+    """One rank without a process group is a supported world here, not a mistake to warn of."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def save_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Model and optimizer, each rank writing its own shards (`torch.distributed.checkpoint`);
     `load_training_state` reads them back on any number of ranks."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
+    with _one_process_is_intended():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
 
 
 def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Reshards as needed: a checkpoint saved by 2 ranks loads on 1, and the other way round."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))  # in place
+    with _one_process_is_intended():
+        dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))  # in place
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import httpx
 
 from rollover.engine.tool_calls import resolve_tool_call_parser
-from rollover.gateway.client import GatewayClient, GatewayError, is_transient
+from rollover.gateway.client import GatewayClient, GatewayError, NotFoundError, is_transient
 from rollover.processes import (
     child_pids,
     descendant_pids,
@@ -356,7 +356,7 @@ class VLLMEngine:
     async def restart(self) -> float:
         """Start the engine again (after a crash) on the same port (another if it picked that
         one and it was taken meanwhile), serving the weights and `policy_version` it served
-        before, and re-register it with the attached gateway.
+        before, and re-register it with the attached gateway, live (back in rotation).
         Returns the seconds it took."""
         started = time.monotonic()
         await asyncio.to_thread(self.stop)
@@ -365,10 +365,10 @@ class VLLMEngine:
         self.start()  # in the caller's thread: the parent-death signal is tied to it
         await asyncio.to_thread(self.wait_ready)
         if self.base_url != served_before and self.gateway_url is not None:
-            # Its port was taken meanwhile: the gateway must stop sending calls to the old one.
-            # (Rollover runs one engine per gateway, so its registry is this engine's alone.)
+            # Its port was taken meanwhile: the gateway must stop sending calls to the old one
+            # (the other engines behind it stay registered).
             async with GatewayClient(self.gateway_url, self._gateway_key or "") as client:
-                await client.clear_models()
+                await client.remove_model(served_before)
         if self.weights_dir != self.model_dir:
             await self.load_weights(self.weights_dir, version=self.policy_version)
         elif self.gateway_url is not None:
@@ -574,8 +574,22 @@ class VLLMEngine:
         self.gateway_url = gateway_url.rstrip("/")
         self._gateway_key = admin_key
 
+    async def take_out_of_rotation(self) -> None:
+        """Ask the attached gateway to send this endpoint no calls (it died; `restart` brings it
+        back), so its rollouts move to the live engines now. Best effort, retried for a few
+        seconds: a gateway that cannot be told finds out at its next call here."""
+        if self.gateway_url is None:
+            return
+        async with GatewayClient(self.gateway_url, self._gateway_key or "", retry_seconds=5) as client:
+            try:
+                await client.set_model_live(self.base_url, False)
+            except NotFoundError:
+                pass  # not registered (yet): no calls come here
+            except (GatewayError, httpx.HTTPError) as exc:
+                log.warning("could not take %s out of the gateway's rotation: %s", self.base_url, exc)
+
     def registration(self) -> list[dict[str, Any]]:
-        """The `POST /api/models` body for this engine."""
+        """The `POST /api/models` body for this engine (live: a registration puts it in rotation)."""
         return [
             {
                 "model": self.served_model_name,

@@ -30,6 +30,7 @@ from rollover.gateway.proxy import (
 )
 from rollover.store.models import (
     PROXY_EVENT_TYPES,
+    EndpointPatch,
     Event,
     EventCreate,
     ModelEndpoint,
@@ -62,7 +63,7 @@ class GatewayState:
         if not self.settings.gateway.admin_key:
             raise ValueError("gateway.admin_key must be set to serve (generate one with auth.new_admin_key())")
         self.pause = ProxyPauseState(self.settings.gateway.retry_after_seconds)
-        self.forwarder = Forwarder(self.store, self.registry, self.settings)
+        self.forwarder = Forwarder(self.store, self.registry, self.settings, self.save_models)
         # A gateway started on an existing store (a restart after a crash) comes back as the
         # last one left it: paused if it was, with the engines it knew.
         saved_pause = self.store.gateway_state(PAUSE_STATE_KEY)
@@ -222,6 +223,7 @@ _ROLLOUTS = TypeAdapter(list[RolloutCreate] | RolloutCreate)
 _STATUS_PATCH = TypeAdapter(StatusPatch)
 _EVENT = TypeAdapter(EventCreate)
 _MODELS = TypeAdapter(list[ModelEndpoint] | ModelEndpoint)
+_ENDPOINT_PATCH = TypeAdapter(EndpointPatch)
 _PAUSE = TypeAdapter(PauseRequest)
 _ROLLOUT_LIST = TypeAdapter(list[Rollout])
 _EVENT_LIST = TypeAdapter(list[Event])
@@ -378,11 +380,25 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
     async def list_models(request: Request) -> list[dict[str, Any]]:
         return [e.model_dump() for e in state.registry.endpoints]
 
-    @app.delete("/api/models", dependencies=admin_only)
-    async def clear_models(request: Request) -> list[dict[str, Any]]:
-        state.registry.endpoints = []
+    @app.patch("/api/models", dependencies=admin_only)
+    async def patch_model(request: Request, endpoint: str = Query(min_length=1)) -> dict[str, Any]:
+        """`{"live": false}` takes a registered endpoint out of rotation, `true` puts it back."""
+        body = await _parse(request, _ENDPOINT_PATCH)
+        entry = state.registry.set_live(endpoint, body.live)
+        if entry is None:
+            raise HTTPException(404, f"no inference endpoint {endpoint!r} is registered")
         await state.save_models()
-        return []
+        return entry.model_dump()
+
+    @app.delete("/api/models", dependencies=admin_only)
+    async def delete_models(request: Request, endpoint: str | None = Query(None, min_length=1)) -> list[dict[str, Any]]:
+        """All endpoints, or with `?endpoint=URL` that one (none such: nothing to do)."""
+        if endpoint is None:
+            state.registry.clear()
+        else:
+            state.registry.remove(endpoint)
+        await state.save_models()
+        return [e.model_dump() for e in state.registry.endpoints]
 
     # -- pause / drain --------------------------------------------------------------------
 

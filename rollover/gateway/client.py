@@ -213,6 +213,23 @@ class GatewayClient:
     async def list_models(self) -> list[ModelEndpoint]:
         return [ModelEndpoint.model_validate(e) for e in await self._request("GET", "/api/models")]
 
+    async def set_model_live(self, endpoint: str, live: bool) -> ModelEndpoint:
+        """Take a registered endpoint out of rotation (`live=False`: the proxy sends it no
+        calls; its rollouts move to the live ones) or put it back. `NotFoundError` if it is
+        not registered."""
+        return ModelEndpoint.model_validate(
+            await self._request(
+                "PATCH", "/api/models", params={"endpoint": endpoint}, json={"live": live}, idempotent=True
+            )
+        )
+
+    async def remove_model(self, endpoint: str) -> list[ModelEndpoint]:
+        """Unregister one endpoint (nothing to do if it is not registered); the ones left."""
+        return [
+            ModelEndpoint.model_validate(e)
+            for e in await self._request("DELETE", "/api/models", params={"endpoint": endpoint})
+        ]
+
     async def clear_models(self) -> None:
         await self._request("DELETE", "/api/models")
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -156,6 +157,10 @@ class _RetryableUpstream(Exception):
         self.reason = reason
 
 
+class _Unreachable(_RetryableUpstream):
+    """The engine could not be connected to: nothing listens there (it died, or is restarting)."""
+
+
 class UpstreamError(Exception):
     def __init__(self, status_code: int, reason: str) -> None:
         super().__init__(reason)
@@ -163,8 +168,32 @@ class UpstreamError(Exception):
         self.reason = reason
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "big")
+
+
+@functools.lru_cache(maxsize=4096)
+def _endpoint_seed(endpoint: str) -> int:
+    return _hash64(endpoint)
+
+
+def _weight(rollout_hash: int, endpoint: str) -> int:
+    """An endpoint's weight for a rollout: splitmix64's finaliser over the two hashes (every
+    input bit reaches every output bit), one sha1 per call instead of one per endpoint."""
+    x = rollout_hash ^ _endpoint_seed(endpoint)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
 @dataclass
 class ModelRegistry:
+    """The inference endpoints, by URL. Entries are replaced, never changed in place: a caller
+    holding one can tell whether it is still the registered one (`take_out`)."""
+
     endpoints: list[ModelEndpoint] = field(default_factory=list)
 
     def upsert(self, items: list[ModelEndpoint]) -> None:
@@ -173,12 +202,42 @@ class ModelRegistry:
             by_endpoint[item.endpoint] = item
         self.endpoints = list(by_endpoint.values())
 
+    def remove(self, endpoint: str) -> None:
+        self.endpoints = [e for e in self.endpoints if e.endpoint != endpoint]
+
+    def clear(self) -> None:
+        self.endpoints = []
+
+    def set_live(self, endpoint: str, live: bool) -> ModelEndpoint | None:
+        """Put an endpoint in rotation or take it out; None if it is not registered."""
+        for i, entry in enumerate(self.endpoints):
+            if entry.endpoint == endpoint:
+                if entry.live != live:
+                    self.endpoints[i] = entry = entry.model_copy(update={"live": live})
+                return entry
+        return None
+
+    def take_out(self, target: ModelEndpoint) -> bool:
+        """Take `target` out of rotation if it is still the registered entry for its URL (an
+        engine that registered again since is left alone) and another endpoint is live; True
+        if it was."""
+        if not target.live or not any(e.live and e is not target for e in self.endpoints):
+            return False
+        for i, entry in enumerate(self.endpoints):
+            if entry is target:
+                self.endpoints[i] = entry.model_copy(update={"live": False})
+                return True
+        return False
+
     def pick(self, rollout_id: str) -> ModelEndpoint | None:
-        """Sticky per rollout: a multi-turn agent keeps hitting the same engine's prefix cache."""
-        if not self.endpoints:
-            return None
-        digest = int.from_bytes(hashlib.sha1(rollout_id.encode()).digest()[:8], "big")
-        return self.endpoints[digest % len(self.endpoints)]
+        """Sticky per rollout (a multi-turn agent keeps hitting the same engine's prefix cache),
+        by rendezvous hashing over the live endpoints: the one of highest weight for the rollout.
+        An endpoint leaving moves only the rollouts it had; one joining takes ~1/N of them."""
+        live = [e for e in self.endpoints if e.live]
+        if len(live) <= 1:
+            return live[0] if live else None
+        rollout_hash = _hash64(rollout_id)
+        return max(live, key=lambda e: _weight(rollout_hash, e.endpoint))
 
 
 def prepare_request(
@@ -259,10 +318,18 @@ class Forwarder:
     degraded to ~45 calls/s at 64 concurrent here, against ~440/s), and it hands bodies over
     as bytes, so the engine's answer reaches the agent as the engine wrote it."""
 
-    def __init__(self, store: RolloutStore, registry: ModelRegistry, settings: GatewaySettings) -> None:
+    def __init__(
+        self,
+        store: RolloutStore,
+        registry: ModelRegistry,
+        settings: GatewaySettings,
+        save_registry: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.store = store
         self.registry = registry
         self.settings = settings
+        # Called after the proxy took an unreachable endpoint out of rotation (to persist it).
+        self.save_registry = save_registry
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
@@ -282,12 +349,15 @@ class Forwarder:
             self._session = None
 
     async def _post(self, url: str, payload: bytes) -> aiohttp.ClientResponse:
-        """One try: the response, body unread, when its status will not be retried; a timeout,
-        an unreachable engine or a 5xx raised as `_RetryableUpstream`."""
+        """One try: the response, body unread, when its status will not be retried; an engine
+        that cannot be connected to raised as `_Unreachable`, a timeout, a cut-off connection
+        or a 5xx as `_RetryableUpstream`."""
         try:
             response = await self._client().post(url, data=payload, headers=_JSON_HEADERS)
         except asyncio.TimeoutError as exc:
             raise _RetryableUpstream(504, f"upstream timed out: {exc!r}") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise _Unreachable(503, f"upstream unreachable at {url}: {exc!r}") from None
         except aiohttp.ClientError as exc:
             raise _RetryableUpstream(503, f"upstream unreachable at {url}: {exc!r}") from None
         if response.status >= 500:
@@ -299,12 +369,47 @@ class Forwarder:
             raise _RetryableUpstream(502, f"upstream returned {response.status}: {text}")
         return response
 
-    async def _post_with_retries(self, url: str, payload: bytes) -> aiohttp.ClientResponse:
-        """`_post`, retried `gateway.upstream_retries` times. The first try goes without the
-        retry machinery (27 us a call, measured): this is every agent call's path."""
+    async def _post_live(self, rollout_id: str, endpoint: str, body: dict[str, Any], mode: Mode) -> _Sent:
+        """One try on the endpoint the rollout's hashing picks among the live ones. One that
+        cannot be connected to (its engine is down) is taken out of rotation, persisted, and
+        the call sent at once to the next pick: the other rollouts stay where they are. The
+        last live one is not taken out: with nowhere to move the call, it is retried there
+        (`_RetryableUpstream`) as with one engine. None live: `UpstreamError` 503."""
+        payloads: dict[str, bytes] = {}
+        last: _Unreachable | None = None
+        # Bounded: each failed connect takes an endpoint out or finds it replaced.
+        for _ in range(len(self.registry.endpoints) + 1):
+            target = self.registry.pick(rollout_id)
+            if target is None:
+                if not self.registry.endpoints:
+                    raise UpstreamError(503, "no inference endpoint registered (POST /api/models first)")
+                raise UpstreamError(
+                    503, f"no live inference endpoint ({len(self.registry.endpoints)} registered, all out of rotation)"
+                )
+            payload = payloads.get(target.model)
+            if payload is None:
+                payload = payloads[target.model] = codec.dumps(
+                    prepare_request(body, endpoint, mode, target.model, self.settings)
+                )
+            try:
+                return _Sent(target, await self._post(f"{target.endpoint.rstrip('/')}/{endpoint}", payload))
+            except _Unreachable as exc:
+                last = exc
+                if self.registry.take_out(target):
+                    log.warning("%s: taken out of rotation until it registers again", exc.reason)
+                    if self.save_registry is not None:
+                        await self.save_registry()
+                elif self.registry.pick(rollout_id) is target:
+                    raise  # the last live endpoint
+        assert last is not None
+        raise last
+
+    async def _send_with_retries(self, rollout_id: str, endpoint: str, body: dict[str, Any], mode: Mode) -> _Sent:
+        """`_post_live`, retried `gateway.upstream_retries` times. The first try goes without
+        the retry machinery (27 us a call, measured): this is every agent call's path."""
         attempts = self.settings.gateway.upstream_retries + 1
         try:
-            return await self._post(url, payload)
+            return await self._post_live(rollout_id, endpoint, body, mode)
         except _RetryableUpstream as first:
             if attempts == 1:
                 raise UpstreamError(first.status, f"{first.reason} (after 1 attempt)") from None
@@ -316,42 +421,40 @@ class Forwarder:
             max_wait=RETRY_BACKOFF_SECONDS * 2**attempts,
         )
         try:
-            return await call_with_retries(f"engine call {url}", lambda: self._post(url, payload), policy, log)
+            return await call_with_retries(
+                f"engine call for rollout {rollout_id}",
+                lambda: self._post_live(rollout_id, endpoint, body, mode),
+                policy,
+                log,
+            )
         except _RetryableUpstream as exc:
             raise UpstreamError(exc.status, f"{exc.reason} (after {attempts} attempts)") from None
 
     @asynccontextmanager
-    async def open(self, url: str, payload: bytes) -> AsyncIterator[aiohttp.ClientResponse]:
-        """The upstream response once its status says it will not be retried, body unread: a
-        caller reads it whole (`forward`) or could relay it as it streams. Leaving early (the
-        agent hung up) closes the connection, which is how the engine learns to stop."""
-        response = await self._post_with_retries(url, payload)
+    async def open(self, rollout_id: str, endpoint: str, body: dict[str, Any], mode: Mode) -> AsyncIterator[_Sent]:
+        """The endpoint that answered and its response, once its status says it will not be
+        retried, body unread: a caller reads it whole (`forward`) or relays it as it streams.
+        Leaving early (the agent hung up) closes the connection, which is how the engine
+        learns to stop."""
+        sent = await self._send_with_retries(rollout_id, endpoint, body, mode)
         try:
-            yield response
+            yield sent
         except BaseException:
-            response.close()
+            sent.response.close()
             raise
         finally:
-            response.release()
-
-    def _target(self, rollout_id: str) -> ModelEndpoint:
-        target = self.registry.pick(rollout_id)
-        if target is None:
-            raise UpstreamError(503, "no inference endpoint registered (POST /api/models first)")
-        return target
+            sent.response.release()
 
     async def forward(
         self, rollout_id: str, attempt_id: str, mode: Mode, endpoint: str, body: dict[str, Any]
     ) -> tuple[int, bytes, dict[str, Any]]:
         """The engine's status, its body as sent, and that body parsed; the call is recorded."""
-        target = self._target(rollout_id)
-        payload = codec.dumps(prepare_request(body, endpoint, mode, target.model, self.settings))
         started = time.monotonic()
-        async with self.open(f"{target.endpoint.rstrip('/')}/{endpoint}", payload) as response:
-            raw = await _read_whole(response)
-            status_code = response.status
+        async with self.open(rollout_id, endpoint, body, mode) as sent:
+            raw = await _read_whole(sent.response)
+            status_code = sent.response.status
         raw, data = _parsed(raw)
-        call = _Call(rollout_id, attempt_id, mode, endpoint, body, target, started)
+        call = _Call(rollout_id, attempt_id, mode, endpoint, body, sent.target, started)
         await self.record(call, status_code, data)
         return status_code, raw, data
 
@@ -359,12 +462,11 @@ class Forwarder:
         self, rollout_id: str, attempt_id: str, mode: Mode, endpoint: str, body: dict[str, Any]
     ) -> StreamedCall:
         """The engine's answer to a `stream: true` call, opened: see `StreamedCall`."""
-        target = self._target(rollout_id)
-        payload = codec.dumps(prepare_request(body, endpoint, mode, target.model, self.settings))
-        call = _Call(rollout_id, attempt_id, mode, endpoint, body, target, time.monotonic())
+        started = time.monotonic()
         stack = AsyncExitStack()
-        response = await stack.enter_async_context(self.open(f"{target.endpoint.rstrip('/')}/{endpoint}", payload))
-        return StreamedCall(self, call, stack, response)
+        sent = await stack.enter_async_context(self.open(rollout_id, endpoint, body, mode))
+        call = _Call(rollout_id, attempt_id, mode, endpoint, body, sent.target, started)
+        return StreamedCall(self, call, stack, sent.response)
 
     async def record(self, call: _Call, status_code: int, data: dict[str, Any]) -> None:
         record = {
@@ -384,6 +486,14 @@ class Forwarder:
             await self.store.record_event(call.rollout_id, call.attempt_id, "model_request", record)
         except InvalidValue as exc:  # e.g. nested deeper than JSON is stored
             raise UpstreamError(502, f"the engine's answer cannot be recorded: {exc}") from None
+
+
+@dataclass
+class _Sent:
+    """An engine's response, body unread, and the endpoint that sent it."""
+
+    target: ModelEndpoint
+    response: aiohttp.ClientResponse
 
 
 @dataclass

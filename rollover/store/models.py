@@ -204,6 +204,10 @@ class ModelEndpoint(_Wire):
     model: str = Field(min_length=1)
     endpoint: str = Field(min_length=1, pattern=r"^https?://")
     policy_version: int = Field(0, ge=0)
+    # In rotation: the proxy sends calls only to live endpoints. A registration leaves it out
+    # (Agent Lightning's clients do) and is live; an engine that died is taken out until it
+    # registers again.
+    live: bool = True
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -219,6 +223,12 @@ class ModelEndpoint(_Wire):
             version = data.pop("version")
             data.setdefault("policy_version", version)
         return data
+
+
+class EndpointPatch(_Wire):
+    """`PATCH /api/models?endpoint=URL`: take a registered endpoint out of rotation or back in."""
+
+    live: bool
 
 
 class PauseRequest(_Wire):

@@ -353,7 +353,7 @@ class Trainer:
 
     async def _live_engines(self) -> int:
         """Engines the gateway routes to now (those registered and live)."""
-        return sum(1 for m in await self.client.list_models() if getattr(m, "live", True))
+        return sum(1 for m in await self.client.list_models() if m.live)
 
     # -- evaluation -----------------------------------------------------------------------
 

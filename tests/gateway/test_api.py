@@ -153,7 +153,7 @@ def test_models_registry(admin):
     assert admin.post("/api/models", json=[{"model": "policy", "endpoint": "http://127.0.0.1:1/v1"}]).status_code == 201
     admin.post("/api/models", json=[{"model": "policy", "endpoint": "http://127.0.0.1:1/v1", "policy_version": 3}])
     assert admin.get("/api/models").json() == [
-        {"model": "policy", "endpoint": "http://127.0.0.1:1/v1", "policy_version": 3, "version": 3}
+        {"model": "policy", "endpoint": "http://127.0.0.1:1/v1", "policy_version": 3, "live": True, "version": 3}
     ]
     # Agent Lightning's name for it is read too
     admin.post("/api/models", json=[{"model": "policy", "endpoint": "http://127.0.0.1:1/v1", "version": 4}])

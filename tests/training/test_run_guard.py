@@ -16,9 +16,13 @@ class DeadEngine:
         self.deaths = deaths
         self.restarted = 0
         self.policy_version = 3
+        self.base_url = "http://127.0.0.1:1/v1"
 
     def failure(self):
         return "vLLM exited with code -9" if self.restarted < self.deaths else None
+
+    async def take_out_of_rotation(self) -> None:
+        pass
 
     async def restart(self) -> float:
         self.restarted += 1
