@@ -161,6 +161,11 @@ async def _run(
         gateway.start()
         gateway_url = config.gateway.advertise_url or gateway.url
         print(f"gateway {gateway.url}  run folder {run_dir}", file=sys.stderr, flush=True)
+        client = GatewayClient(gateway.url, admin_key)
+        # The store may be a resumed run's: its gateway state (pause, engines) is a dead one's.
+        # Cleared before other nodes hear of the gateway, so their engines' registrations stay.
+        await client.clear_models()
+        await client.resume()
         if channel is not None:
             policy_version = _checkpoint_version(checkpoint)
             channel.send(Hello(model_path, str(run_dir), gateway_url, admin_key, policy_version))
@@ -173,10 +178,6 @@ async def _run(
         else:
             shared_engine.attach_gateway(gateway.url, admin_key)  # not the previous run's gateway
             await shared_engine.load_weights(model_path, version=0)
-        client = GatewayClient(gateway.url, admin_key)
-        # The store may be a resumed run's: its gateway state (pause, engines) is a dead one's.
-        await client.clear_models()
-        await client.resume()
         locks = [asyncio.Lock() for _ in engines]
         weight_sync: Any = EngineWeightSync(engines, run_dir / "weights" / f"node{world.node_rank}", locks)
         trainer_policy: Any = policy

@@ -49,6 +49,13 @@ class NodeLoop:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def close(self) -> None:
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.run(cancel_all())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
 
