@@ -112,3 +112,18 @@ def test_gateway_overhead_smoke():
     assert report.throughput_ratio("rollover") > 0 and report.added_latency_ms("rollover") is not None
     assert rollover.rollouts_per_s > 0 and rollover.events_per_s > 0
     assert json.loads(json.dumps(report.to_json()))["throughput_ratio"]["rollover"] > 0
+
+
+@pytest.mark.slow
+def test_train_step_smoke(capsys):
+    from benchmarks import train_step
+
+    argv = ["--ranks", "1,2", "--samples", "6", "--length", "24", "--hidden", "64", "--layers", "2"]
+    assert train_step.main([*argv, "--repeats", "1", "--device", "cpu", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    results = json.loads(out[-1])
+    assert [r["ranks"] for r in results] == [1, 2]
+    for r in results:
+        assert r["tokens"] > 0 and r["update_s_median"] > 0 and r["tokens_per_s"] > 0
+    assert results[0]["tokens"] == results[1]["tokens"]  # the same batch on both
+    assert out[0].startswith("ranks") and len(out) == 4  # header, one row per rank count, JSON

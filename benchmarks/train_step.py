@@ -1,0 +1,177 @@
+"""Update throughput on 1 and on N trainer ranks (FSDP2), measured in one run.
+
+Each rank count is launched with torch's launcher (`torch.distributed.run`); every rank runs
+`Policy.run_update` on the same synthetic batch (random token ids, advantages +-1, uneven
+lengths) a few times, and rank 0 reports the median update time, tokens per second and peak
+memory. On a GPU machine the ranks use NCCL and bf16 (the `auto` mixed precision); on CPU gloo
+and float32, each rank a process (torch's launcher gives each one thread).
+
+    python benchmarks/train_step.py [--ranks 1,2] [--model tiny|PATH] [--samples 32] [--length 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_tiny(folder: Path, hidden: int, layers: int) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rollover.modelzoo.tiny import build_tiny_tokenizer
+
+    if (folder / "config.json").is_file():
+        return folder
+    tokenizer = build_tiny_tokenizer(folder, vocab_size=1024)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 64, 1),
+        num_key_value_heads=max(hidden // 64, 1),
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def synthetic_batch(n: int, length: int, vocab: int, seed: int = 0) -> list:
+    from rollover.training.samples import Sample
+
+    rng = random.Random(seed)
+    samples = []
+    for i in range(n):
+        size = max(8, int(length * rng.uniform(0.5, 1.5)))
+        prompt = size // 4
+        ids = [rng.randrange(3, vocab) for _ in range(size)]
+        mask = [0] * prompt + [1] * (size - prompt)
+        sample = Sample(f"r{i}", f"g{i // 4}", ids, mask, [float("nan")] * size, [0] * size, reward=0.0)
+        sample.advantage = 1.0 if i % 2 else -1.0
+        samples.append(sample)
+    return samples
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank (started by torch's launcher)."""
+    import torch
+
+    from rollover.config import load_config
+    from rollover.distributed.world import World
+    from rollover.training.policy import Policy
+
+    world = World.from_env()
+    config = load_config(
+        None,
+        [
+            f"trainer.device={args.device}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size={args.micro}",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=null",  # one optimizer step per update
+            "algorithm.rollout_correction.rollout_is=null",
+        ],
+    )
+    device = world.device(config.trainer.device)
+    world.init_process_group(device)
+    policy = Policy(args.model, config, world)
+    samples = synthetic_batch(args.samples, args.length, len(policy.tokenizer))
+    tokens = sum(len(s) for s in samples)
+    seconds = []
+    for repeat in range(args.repeats + 1):
+        plan = policy.plan(samples, random.Random(repeat))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        policy.run_update(plan)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if repeat:  # the first is warm-up
+            seconds.append(time.perf_counter() - started)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if world.is_leader:
+        median = statistics.median(seconds)
+        result = {
+            "ranks": world.size,
+            "device": device.type,
+            "samples": len(samples),
+            "tokens": tokens,
+            "update_s_median": median,
+            "tokens_per_s": tokens / median,
+            "peak_memory_gib_rank0": peak,
+        }
+        Path(args.result).write_text(json.dumps(result))
+    world.shutdown()
+
+
+def launch(n_ranks: int, args: argparse.Namespace, result: Path) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n_ranks}"]
+    command += [__file__, "--rank-worker", "--result", str(result), "--model", str(args.model)]
+    command += ["--samples", str(args.samples), "--length", str(args.length), "--micro", str(args.micro)]
+    command += ["--repeats", str(args.repeats), "--device", args.device]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{n_ranks} rank(s) failed:\n{done.stderr[-3000:]}")
+    return json.loads(result.read_text())
+
+
+def format_report(results: list[dict]) -> str:
+    base = results[0]
+    lines = ["ranks  device  tokens  update_s  tokens/s  x(1 rank)  peak GiB (rank 0)"]
+    for r in results:
+        lines.append(
+            f"{r['ranks']:>5}  {r['device']:>6}  {r['tokens']:>6}  {r['update_s_median']:>8.3f}  "
+            f"{r['tokens_per_s']:>8.0f}  {r['tokens_per_s'] / base['tokens_per_s']:>9.2f}  {r['peak_memory_gib_rank0']:>8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="1,2", help="rank counts to compare, e.g. 1,2,4,8")
+    parser.add_argument("--model", default="tiny", help="tiny (built locally) or a Hugging Face model folder")
+    parser.add_argument("--hidden", type=int, default=256, help="tiny model's hidden size")
+    parser.add_argument("--layers", type=int, default=4, help="tiny model's layers")
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--length", type=int, default=256, help="mean sample length in tokens")
+    parser.add_argument("--micro", type=int, default=8, help="ppo_micro_batch_size")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON line too")
+    parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank_worker:
+        rank_main(args)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="train-step-") as work:
+        if args.model == "tiny":
+            args.model = build_tiny(Path(work) / "tiny", args.hidden, args.layers)
+        results = [launch(int(n), args, Path(work) / f"result-{n}.json") for n in args.ranks.split(",")]
+    print(format_report(results))
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
