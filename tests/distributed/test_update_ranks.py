@@ -18,7 +18,7 @@ import torch
 from rollover.distributed.split import balanced_split
 from rollover.training.samples import Sample
 
-pytestmark = pytest.mark.slow  # four launches of real ranks, ~10 s each
+pytestmark = pytest.mark.slow  # two launches of real ranks, ~10 s each
 
 WORKER = Path(__file__).with_name("update_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +63,13 @@ def uneven_samples(vocab: int) -> list[Sample]:
 
 
 def launch(n_ranks: int, *args: str | Path) -> None:
+    """`update_worker.main(*args)` on `n_ranks` ranks; one rank runs here, in this process
+    (no launcher, no process group: the single-process run's code path)."""
+    if n_ranks == 1:
+        from tests.distributed import update_worker
+
+        update_worker.main(*map(str, args))
+        return
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n_ranks}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
