@@ -5,6 +5,7 @@ reloaded after each update, restarted by their watchdogs)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Coroutine
@@ -71,6 +72,7 @@ def follow(config: RolloverConfig, world: World) -> int:
     engines: list[VLLMEngine] = node_engines(config, hello.model_path, run_dir, world) if owns_engines else []
     node = NodeLoop()
     locks: list[asyncio.Lock] = []
+    watchdogs: list[concurrent.futures.Future[None]] = []
     try:
         for engine in engines:
             engine.start()
@@ -82,10 +84,11 @@ def follow(config: RolloverConfig, world: World) -> int:
                 watchdog = EngineWatchdog(
                     engine, lock, max_restarts=config.actor_rollout_ref.rollout.max_engine_restarts
                 )
-                asyncio.run_coroutine_threadsafe(watchdog.run(), node.loop)
+                watchdogs.append(asyncio.run_coroutine_threadsafe(watchdog.run(), node.loop))
         dist.barrier()  # every node's engines serve: rank 0 starts rollouts
         weight_sync = EngineWeightSync(engines, run_dir / "weights" / f"node{world.node_rank}", locks or None)
         while True:
+            _raise_if_an_engine_is_lost(watchdogs)
             command = channel.receive()
             if isinstance(command, Stop):
                 return 0
@@ -108,6 +111,15 @@ def follow(config: RolloverConfig, world: World) -> int:
         for engine in engines:
             engine.stop()
         node.close()
+
+
+def _raise_if_an_engine_is_lost(watchdogs: list[concurrent.futures.Future[None]]) -> None:
+    """A watchdog ends only by raising (restarts used up): the run stops, naming the engine,
+    rather than this node training on with an engine that no longer serves."""
+    for watchdog in watchdogs:
+        failure = watchdog.exception() if watchdog.done() and not watchdog.cancelled() else None
+        if failure is not None:
+            raise failure
 
 
 async def _attach(engines: list[VLLMEngine], hello: Hello) -> list[asyncio.Lock]:
