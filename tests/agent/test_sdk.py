@@ -29,6 +29,7 @@ def rollout(admin, stub):
     return r["rollout_id"]
 
 
+@pytest.mark.slow
 def test_agent_lightning_v1_agent_works_unchanged(gateway, admin, rollout):
     env = dict(os.environ, **agent_env(gateway, rollout))
     subprocess.run([sys.executable, os.path.join(HERE, "agl_v1_agent.py")], env=env, check=True, timeout=60)

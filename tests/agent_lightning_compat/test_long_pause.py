@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from examples.mcp_calc.prepare import make_tasks
 from rollover.controller import Controller
 from rollover.gateway.client import GatewayClient
@@ -21,6 +23,8 @@ from rollover.store.models import RolloutCreate, RolloutState
 from rollover.testing.stub_upstream import StubUpstream
 from tests.conftest import ADMIN_KEY
 from tests.controller.conftest import make_config, wait_for_rollout, wait_until
+
+pytestmark = pytest.mark.slow  # a 4 s pause by design
 
 RETRY_AFTER_SECONDS = 0.25
 CLIENT_RETRIES = 6  # examples/mcp_calc/agent.py

@@ -16,6 +16,8 @@ from rollover.gateway.server import GatewayProcess
 from rollover.testing.stub_upstream import StubUpstream
 from tests.agent_lightning_compat.conftest import agl_validate
 
+pytestmark = pytest.mark.slow  # a real browser / the Agent Lightning peer: seconds per test
+
 HERE = Path(__file__).resolve().parent
 KEY = "peer-admin-key"
 

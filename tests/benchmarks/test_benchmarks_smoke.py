@@ -93,6 +93,7 @@ def test_simulate_vs_measured_smoke(tmp_path, capsys):
     assert comparison["relative_error"] == pytest.approx((comparison["predicted"] - 1.3) / 1.3)
 
 
+@pytest.mark.slow
 def test_gateway_overhead_smoke():
     settings = gateway_overhead.Settings(
         latency_requests=40,

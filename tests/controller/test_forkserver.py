@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from rollover.controller import Controller
 from rollover.controller.forkserver import ForkServerClient
 from rollover.gateway.client import GatewayClient
@@ -72,6 +74,7 @@ async def test_a_dead_fork_server_fails_its_agents_and_is_restarted(client: Gate
     assert fork_servers_of(os.getpid()) == []  # the controller stops its server on exit
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_controller_takes_the_fork_server_and_agents_down(gateway: GatewayThread, tmp_path: Path) -> None:
     import httpx
 

@@ -296,6 +296,7 @@ async def test_pause_pushes_the_job_deadline_out(client: GatewayClient, cluster:
         assert (await wait_for_rollout(client, rollout_id)).state == RolloutState.SUCCEEDED
 
 
+@pytest.mark.slow
 async def test_jobs_are_created_no_faster_than_the_rate_limit(
     client: GatewayClient, cluster: Cluster, template: Path
 ) -> None:

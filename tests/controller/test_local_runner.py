@@ -56,10 +56,15 @@ async def run_controller(
         yield running
 
 
-@pytest.fixture(params=["forkserver", "spawn"])
+START_METHODS = ["forkserver", "spawn"]
+
+
+@pytest.fixture(params=["forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
 def controller(request: pytest.FixtureRequest) -> Any:
     """`controller(client, tmp_path, agent, **settings)`: a running controller, once with agents
-    forked from the fork server and once with a fresh interpreter per agent."""
+    forked from the fork server and once with a fresh interpreter per agent. The spawn runs are
+    `slow` (the fast lane keeps the forkserver ones) except where a test asks for both with
+    `@pytest.mark.parametrize("controller", START_METHODS, indirect=True)`."""
     return functools.partial(run_controller, start_method=request.param)
 
 
@@ -69,6 +74,7 @@ async def enqueue(client: GatewayClient, prefix: str, input: Any = None, **field
     return rollout_id
 
 
+@pytest.mark.parametrize("controller", START_METHODS, indirect=True)  # spawn in the fast lane too
 async def test_success_reports_reward_sync_and_async_agents(
     client: GatewayClient, tmp_path: Path, controller: Any
 ) -> None:
@@ -144,6 +150,7 @@ async def test_hanging_agent_times_out_and_is_killed(client: GatewayClient, tmp_
     assert_group_gone(pids[0])
 
 
+@pytest.mark.slow
 async def test_paused_time_does_not_count(client: GatewayClient, tmp_path: Path, controller: Any) -> None:
     # A 2 s timeout and a 4 s pause: the attempt survives only if the pause does not count.
     # The controller's clock runs only from just after the pause began until just after it
@@ -309,6 +316,7 @@ async def test_controller_rides_out_a_gateway_that_starts_late(
                 assert done.state == RolloutState.SUCCEEDED, done.status
 
 
+@pytest.mark.slow
 def test_cli_controller_stops_its_agents_on_sigterm(gateway: GatewayThread, tmp_path: Path) -> None:
     import httpx
 

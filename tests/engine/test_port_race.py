@@ -29,6 +29,7 @@ def _engine(tmp_path: Path, **kwargs: object) -> VLLMEngine:
     return StandInEngine(tmp_path, log_path=tmp_path / "engine.log", start_timeout_s=60, **kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_a_picked_port_taken_by_another_server_is_given_up_for_another(tmp_path, foreign_server, monkeypatch):
     picks = iter([foreign_server])
     # The race, made certain: the port picked is the one another server (answering /health and

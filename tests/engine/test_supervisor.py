@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from rollover.processes import group_members, pid_alive
 
 # A "server" that leaves a child behind in its process group, as vLLM's engine core does,
@@ -52,6 +54,7 @@ def test_the_server_exit_code_is_passed_on_and_its_leftovers_are_swept(tmp_path)
     assert gone(supervisor.pid) and not pid_alive(child)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_server_and_sweeps_the_group(tmp_path):
     supervisor, child = start(tmp_path, "wait")
     assert pid_alive(child)
@@ -65,6 +68,7 @@ def test_refuses_a_bad_command_line():
     assert out.returncode == 2 and "usage:" in out.stderr
 
 
+@pytest.mark.slow
 def test_the_death_of_the_process_that_started_it_stops_everything(tmp_path):
     """A trainer killed with SIGKILL leaves no vLLM behind."""
     pid_file, info = tmp_path / "child.pid", tmp_path / "supervisor.pid"

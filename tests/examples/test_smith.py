@@ -66,6 +66,7 @@ def test_bugs_break_tests_and_the_reference_fix_repairs_them(tasks):
             assert task["files"][path] == template.files[path]  # only the module is mutated
 
 
+@pytest.mark.slow
 def test_synthesis_is_deterministic(tasks):
     assert json.dumps(make_tasks(6, seed=0)) == json.dumps(tasks)
     assert [t["fix"] for t in make_tasks(6, seed=1)] != [t["fix"] for t in tasks]
@@ -82,6 +83,7 @@ def _pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_sandbox_kills_an_infinite_loop_and_its_children(tmp_path):
     write_repo(
         tmp_path,
@@ -303,6 +305,7 @@ def scripted_policy():
         thread.join(timeout=10)
 
 
+@pytest.mark.slow
 def test_agent_fixes_the_bug_with_a_scripted_policy(tasks, scripted_policy):
     endpoint, script, seen = scripted_policy
     task = tasks[1]

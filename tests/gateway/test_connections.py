@@ -54,6 +54,7 @@ def served_within(server: GatewayThread, seconds: float) -> float:
             time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_a_flood_of_silent_connections_does_not_keep_a_client_out(bounded):
     silent = open_silent(bounded, 3 * CAP)
     try:

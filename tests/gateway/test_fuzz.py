@@ -163,6 +163,7 @@ def requests(draw: st.DrawFn) -> tuple[str, str, dict[str, Any], bytes | None]:
 KEYS = {"admin": ADMIN_KEY, "agent": scoped_key(ADMIN_KEY, RUN, "a1")}
 
 
+@pytest.mark.slow
 @settings(
     max_examples=200,
     deadline=None,

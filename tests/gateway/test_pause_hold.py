@@ -33,6 +33,7 @@ def resume_later(admin, seconds: float) -> threading.Timer:
     return timer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gateway", [{"hold_while_paused": True}], indirect=True)
 def test_a_held_call_outlives_the_clients_retries_and_is_forwarded_at_resume(gateway, admin, stub):
     admin.post("/api/models", json=[{"model": "policy", "endpoint": stub.base_url}])

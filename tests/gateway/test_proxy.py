@@ -92,6 +92,7 @@ def test_upstream_5xx_is_retried(gateway, admin, registered):
     assert len(admin.get(f"/api/rollouts/{rid}/events").json()) == 1
 
 
+@pytest.mark.slow
 def test_unreachable_upstream_is_a_clear_json_error(gateway, admin):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -212,6 +213,7 @@ def test_inflight_calls_finish_while_paused_and_wait_drained_returns_at_zero(gat
     assert len(admin.get(f"/api/rollouts/{rid}/events").json()) == 1
 
 
+@pytest.mark.slow
 def test_wait_drained_times_out_with_inflight(gateway, admin, registered):
     registered.behaviour.delay_seconds = 6.0  # far longer than the wait, even on a busy machine
     rid = running_rollout(admin)

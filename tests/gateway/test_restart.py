@@ -61,6 +61,7 @@ def test_a_gateway_on_an_existing_store_takes_over_its_pause_and_models(tmp_path
         assert not _state(third.url)["paused"] and _models(third.url) == []
 
 
+@pytest.mark.slow
 async def test_the_client_and_the_agent_sdk_ride_out_a_gateway_that_is_down(tmp_path):
     port, store = free_port(), str(tmp_path / "store.db")
     url = f"http://127.0.0.1:{port}"
@@ -93,6 +94,7 @@ async def test_the_client_gives_up_after_its_retry_time():
             await client.list_rollouts()
 
 
+@pytest.mark.slow
 async def test_the_watchdog_restarts_a_killed_gateway_on_its_port_and_gives_up_after_max_restarts(tmp_path):
     gateway = GatewayProcess(store=str(tmp_path / "store.db"), admin_key=ADMIN_KEY, log_path=tmp_path / "g.log")
     gateway.start()
@@ -113,6 +115,7 @@ async def test_the_watchdog_restarts_a_killed_gateway_on_its_port_and_gives_up_a
         gateway.stop()
 
 
+@pytest.mark.slow
 def test_a_picked_port_taken_by_another_server_is_given_up_for_another(tmp_path, foreign_server, monkeypatch):
     picks = iter([foreign_server])
     # The race, made certain: the port picked is the foreign server's, as if it bound it first.

@@ -66,6 +66,7 @@ def test_trainer_construction_checks_the_async_window():
         Trainer(config=config, client=None, policy=None, weight_sync=None, train_tasks=[{"id": 1}])
 
 
+@pytest.mark.slow
 def test_drain_timeout_names_the_stuck_rollouts(gateway, admin, stub):
     stub.behaviour.delay_seconds = 3.0
     admin.post("/api/models", json=[{"model": "policy", "endpoint": stub.base_url}])

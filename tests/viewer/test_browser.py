@@ -17,6 +17,8 @@ from tests.runs import SEED_ASYNC_METRICS
 from tests.viewer import browser
 from tests.viewer.runfolder import recorded_run
 
+pytestmark = pytest.mark.slow  # a real browser / the Agent Lightning peer: seconds per test
+
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "viewer"
 
 

@@ -176,6 +176,7 @@ def test_bulk_rewards_read_like_triplets(tmp_path):
     assert bulk == each == {"a": 0.9, "b": None, "c": None}
 
 
+@pytest.mark.slow
 def test_reading_while_a_writer_writes(tmp_path):
     """A reader on the live store (WAL, mode=ro) never makes the writer wait or fail."""
     path = tmp_path / "store.db"
