@@ -88,6 +88,7 @@ async def test_dead_engines_leave_the_rotation_at_once_and_come_back_live(gatewa
         await client.aclose()
 
 
+@pytest.mark.slow
 async def test_an_engine_restarted_on_another_port_replaces_only_its_own_endpoint(gateway, tmp_path):
     client = GatewayClient(gateway.url, ADMIN_KEY)
     a, b = [await _started(tmp_path / name, 2, gateway.url) for name in ("a", "b")]
