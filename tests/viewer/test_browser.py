@@ -159,7 +159,8 @@ def test_a_rollout_shows_its_calls_and_its_masked_tokens(driver, viewer, api):
 def test_a_group_shows_its_siblings_side_by_side(driver, viewer, api):
     listing = api("api/rollouts", mode="train", state="succeeded", limit=5000)["rollouts"]
     group = quote(listing[0]["group"], safe="")  # the calc example's ids hold a '#'
-    open_page(driver, viewer, f"#/group/{group}", "#siblings .sibling")
+    # The rollout page before this one shows sibling cards too: wait for the group page's own.
+    open_page(driver, viewer, f"#/group/{group}", 'body[data-route="group"] #siblings .sibling')
     cards = css(driver, "#siblings .sibling")
     expected = api(f"api/groups/{group}")["rollouts"]
     assert len(cards) == len(expected) == api("api/run")["n"]
