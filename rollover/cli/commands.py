@@ -67,12 +67,14 @@ def config_show(args: argparse.Namespace) -> int:
 def train(args: argparse.Namespace) -> int:
     from rollover.cli.logs import configure_logging
     from rollover.config import load_config
-    from rollover.distributed.world import World
 
     try:
         config = load_config(args.config, args.overrides)
     except (ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    # Only now: a bad config is reported without first importing torch (seconds).
+    from rollover.distributed.world import World
+
     if World.from_env().distributed:
         from rollover.distributed.__main__ import main as rank_main
 
