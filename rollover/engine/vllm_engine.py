@@ -5,6 +5,10 @@ use for weight sync: `POST /collective_rpc` (method `rollover_reload_weights` fr
 worker extension, or vLLM's own `reload_weights`), `POST /reset_prefix_cache`, and on GPU
 `POST /sleep` / `POST /wake_up`. The process tree: a small supervisor (process-group
 leader, `rollover.engine.supervisor`) -> vLLM API server -> engine core -> worker.
+
+Just over 600 lines on purpose: start, restart, weight loads and the gateway registration all
+read and change one engine's state (its port, process, weights and policy version); split,
+each half would reach into the other's fields.
 """
 
 from __future__ import annotations
