@@ -268,8 +268,8 @@ class ForkServerClient:
             raise
         if "error" in answer:
             raise ForkServerError(answer["error"])
-        pid = int(answer["pid"])
-        return pid, self._exits[pid]
+        # The future itself, not a lookup: the exit may already have been read and popped.
+        return int(answer["pid"]), answer["exit_future"]
 
     async def _read(self, process: asyncio.subprocess.Process) -> None:
         assert process.stdout is not None
@@ -284,7 +284,7 @@ class ForkServerClient:
                     continue
                 if "pid" in message:
                     # Before the reply is seen: the exit may be the very next line.
-                    self._exits[int(message["pid"])] = loop.create_future()
+                    message["exit_future"] = self._exits[int(message["pid"])] = loop.create_future()
                 waiter = self._replies.pop(message.get("id"), None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(message)

@@ -150,3 +150,34 @@ async def test_an_agent_whose_launch_was_called_off_does_not_live_on(tmp_path: P
         await read_pids(tmp_path / "kept.pids")  # the agent that was asked for runs
     finally:
         await server.stop()
+
+
+class _FakeServerProcess:
+    """The fork server's pipes, scripted: every request is answered with its pid and, in the
+    same read, the agent's exit (an agent that dies at once)."""
+
+    returncode = None
+
+    def __init__(self) -> None:
+        self.stdout = asyncio.StreamReader()
+        self.stdin = self
+
+    def write(self, data: bytes) -> None:
+        request = json.loads(data)
+        self.stdout.feed_data(
+            json.dumps({"id": request["id"], "pid": 4242}).encode() + b"\n" + b'{"exit": 4242, "returncode": 3}\n'
+        )
+
+    async def drain(self) -> None:
+        await asyncio.sleep(0.05)  # the reader sees both lines before spawn() looks again
+
+
+async def test_an_agent_that_exits_before_its_reply_is_seen_still_reports_its_exit(tmp_path: Path) -> None:
+    fork_client = ForkServerClient([], log_path=tmp_path / "fork.log", cwd=tmp_path)
+    process = _FakeServerProcess()
+    fork_client.process = process  # type: ignore[assignment]
+    fork_client._reader = asyncio.get_running_loop().create_task(fork_client._read(process))  # type: ignore[arg-type]
+    pid, exited = await fork_client.spawn("agents:Quick", {}, tmp_path, tmp_path / "agent.log")
+    assert pid == 4242
+    assert await asyncio.wait_for(exited, 10) == 3
+    fork_client._reader.cancel()
