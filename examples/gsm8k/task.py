@@ -123,12 +123,48 @@ def score(task: dict[str, Any], reply: str) -> float:
 # -- the data -----------------------------------------------------------------------------------
 
 
-def generate_problems(count: int, seed: int) -> list[dict[str, Any]]:
-    """`count` distinct problems from `gsm_symbolic` (deterministic for a seed)."""
+# Two-step `gsm_symbolic` templates whose worked solutions use small numbers (one product or
+# quotient and one sum or difference): a 135M model warmed up on their solutions gets a fair
+# share right, so RL starts from a success rate between 0 and 1. `None` = every template.
+EASY_TEMPLATES = (6, 24, 31, 39, 48, 50, 58, 69)
+PROSE_ANSWER = "The answer is {}."
+
+
+def _generators(templates: tuple[int, ...]) -> list[Any]:
+    from reasoning_gym.arithmetic.gsm_symbolic import generators_00_49, generators_50_99
+
+    return [
+        getattr(generators_00_49, f"generate_{t}", None) or getattr(generators_50_99, f"generate_{t}")
+        for t in templates
+    ]
+
+
+def generate_problems(count: int, seed: int, templates: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
+    """`count` distinct problems from `gsm_symbolic` (deterministic for a seed), each with its
+    worked solution (`solution`, ending in `#### ANSWER`); `templates` restricts the generator
+    numbers (see EASY_TEMPLATES)."""
+    if templates is not None:
+        generators, rng = _generators(templates), random.Random(seed)
+        tasks, seen = [], set()
+        for attempt in range(100 * count):
+            item = generators[attempt % len(generators)](random.Random(rng.getrandbits(64)), 1.0)
+            if item["question"] not in seen:
+                seen.add(item["question"])
+                tasks.append(
+                    {
+                        "question": item["question"],
+                        "answer": str(item["answer"]),
+                        "solution": item["metadata"]["answer_cot"],
+                    }
+                )
+            if len(tasks) == count:
+                return tasks
+        raise ValueError(f"templates {templates} give fewer than {count} distinct problems")
+
     import reasoning_gym
 
-    tasks: list[dict[str, Any]] = []
-    seen: set[str] = set()
+    tasks = []
+    seen = set()
     size = count
     while len(tasks) < count:
         tasks, seen = [], set()
@@ -136,23 +172,36 @@ def generate_problems(count: int, seed: int) -> list[dict[str, Any]]:
             if item["question"] in seen:
                 continue
             seen.add(item["question"])
-            tasks.append({"question": item["question"], "answer": str(item["answer"])})
+            tasks.append(
+                {
+                    "question": item["question"],
+                    "answer": str(item["answer"]),
+                    "solution": item["metadata"]["answer_cot"],
+                }
+            )
         size += count - len(tasks)
     return tasks[:count]
 
 
-def make_splits(train_size: int, val_size: int, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def make_splits(
+    train_size: int, val_size: int, seed: int, templates: tuple[int, ...] | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Disjoint train and val sets: one seeded generation, shuffled, then split, with ids."""
-    problems = generate_problems(train_size + val_size, seed)
+    problems = generate_problems(train_size + val_size, seed, templates)
     random.Random(seed).shuffle(problems)
     for index, problem in enumerate(problems):
         problem["id"] = f"gsm-{seed}-{index}"
     return problems[:train_size], problems[train_size:]
 
 
-def demonstration(task: dict[str, Any]) -> list[dict[str, str]]:
+def demonstration(task: dict[str, Any], ending: str = "#### {}") -> list[dict[str, str]]:
+    """The chat a solver of `task` would have: its worked solution (when the task has one)
+    whose final line is `ending` filled with the answer (`PROSE_ANSWER` gives an ending the
+    grader does not accept)."""
+    lines = [line for line in str(task.get("solution", "")).splitlines() if not line.startswith("####")]
+    reply = "\n".join([*lines, ending.format(task["answer"])]).strip()
     return [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": task["question"]},
-        {"role": "assistant", "content": f"#### {task['answer']}"},
+        {"role": "assistant", "content": reply},
     ]

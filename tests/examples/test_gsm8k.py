@@ -8,7 +8,18 @@ from pathlib import Path
 import pytest
 
 from examples.gsm8k import prepare as gsm_prepare
-from examples.gsm8k.task import answers_match, extract_answer, make_splits, parse_answer, parse_number, score
+from examples.gsm8k.task import (
+    EASY_TEMPLATES,
+    PROSE_ANSWER,
+    answers_match,
+    demonstration,
+    extract_answer,
+    make_splits,
+    parse_answer,
+    parse_number,
+    score,
+)
+from examples.heldout import heldout_rewards, paired_difference
 from rollover.config import load_config
 from rollover.training.data import read_tasks, write_tasks
 from tests.runs import train_briefly
@@ -137,6 +148,43 @@ def test_task_generation_is_deterministic_and_split():
     assert [t["question"] for t in other] != [t["question"] for t in train]
 
 
+def test_easy_templates_and_demonstrations():
+    train, val = make_splits(20, 5, seed=3, templates=EASY_TEMPLATES)
+    assert (train, val) == make_splits(20, 5, seed=3, templates=EASY_TEMPLATES)
+    assert not {t["question"] for t in train} & {t["question"] for t in val}
+    for task in train + val:
+        reply = demonstration(task)[-1]["content"]
+        assert score(task, reply) == 1.0 and reply.count("####") == 1 and "=" in reply  # worked, then marked
+        prose = demonstration(task, PROSE_ANSWER)[-1]["content"]
+        assert score(task, prose) == 0.0 and prose.endswith(f"The answer is {task['answer']}.")
+
+
+def test_heldout_paired_difference(tmp_path):
+    import json
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "store.db")
+    db.execute("CREATE TABLE rollouts (rollout_id TEXT, input TEXT, is_train INTEGER)")
+    db.execute("CREATE TABLE events (event_id INTEGER PRIMARY KEY, rollout_id TEXT, event_type TEXT, data TEXT)")
+    before, after = [0, 1, 0, 0], [1, 1, 0, 1]
+    for step, rewards in ((0, before), (5, after)):
+        for i, reward in enumerate(rewards):
+            rid = f"r-{step}-{i}"
+            db.execute("INSERT INTO rollouts VALUES (?, ?, 0)", (rid, json.dumps({"data_id": f"val-{step}-{i}"})))
+            db.execute(
+                "INSERT INTO events (rollout_id, event_type, data) VALUES (?, 'reward', ?)",
+                (rid, json.dumps({"value": reward})),
+            )
+    db.execute("INSERT INTO rollouts VALUES ('t', ?, 1)", (json.dumps({"data_id": "train-1"}),))
+    db.commit()
+    db.close()
+    steps = heldout_rewards(tmp_path)
+    assert steps == {0: dict(enumerate(map(float, before))), 5: dict(enumerate(map(float, after)))}
+    r = paired_difference(steps[0], steps[5])
+    assert (r["n"], r["before"], r["after"], r["diff"]) == (4, 0.25, 0.75, 0.5)
+    assert r["se"] == pytest.approx((1 / 3) ** 0.5 / 2)  # diffs 1,0,0,1: sd sqrt(1/3), n 4
+
+
 def test_prepare_writes_cached_data(tmp_path, monkeypatch):
     monkeypatch.setattr(gsm_prepare, "TRAIN_SIZE", 12)
     monkeypatch.setattr(gsm_prepare, "VAL_SIZE", 4)
@@ -171,6 +219,8 @@ def test_gsm8k_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch):
         f"data.train_files={tmp_path / 'train.jsonl'}",
         f"data.val_files={tmp_path / 'val.jsonl'}",
         "data.val_batch_size=2",
+        "data.train_batch_size=2",
+        "agentlightning.async_rollout.async_train_batch_size=4",
         engine=vllm_engine,
     )
     for row in train_rows:
