@@ -23,7 +23,8 @@ _VAL_ID = re.compile(r"^val-(\d+)-(\d+)$")
 
 
 def heldout_rewards(store: str | Path) -> dict[int, dict[int, float]]:
-    """{step: {task index: reward}} of the held-out rollouts in a run's store.db."""
+    """{step: {task index: reward}} of the held-out rollouts in a run's store.db (their
+    `data_id` is in the rollout's metadata)."""
     path = Path(store)
     if path.is_dir():
         path = path / "store.db"
@@ -37,8 +38,8 @@ def heldout_rewards(store: str | Path) -> dict[int, dict[int, float]]:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 rewards[rollout_id] = float(value)  # the last reward event wins
         out: dict[int, dict[int, float]] = {}
-        for rollout_id, raw in db.execute("SELECT rollout_id, input FROM rollouts WHERE is_train = 0"):
-            data = json.loads(raw)
+        for rollout_id, raw in db.execute("SELECT rollout_id, metadata FROM rollouts WHERE is_train = 0"):
+            data = json.loads(raw)  # the trainer's metadata: {"data_id": ..., "enqueued_step": ...}
             match = _VAL_ID.match(str(data.get("data_id", ""))) if isinstance(data, dict) else None
             if match:
                 step, index = int(match[1]), int(match[2])

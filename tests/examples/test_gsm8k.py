@@ -164,7 +164,7 @@ def test_heldout_paired_difference(tmp_path):
     import sqlite3
 
     db = sqlite3.connect(tmp_path / "store.db")
-    db.execute("CREATE TABLE rollouts (rollout_id TEXT, input TEXT, is_train INTEGER)")
+    db.execute("CREATE TABLE rollouts (rollout_id TEXT, metadata TEXT, is_train INTEGER)")
     db.execute("CREATE TABLE events (event_id INTEGER PRIMARY KEY, rollout_id TEXT, event_type TEXT, data TEXT)")
     before, after = [0, 1, 0, 0], [1, 1, 0, 1]
     for step, rewards in ((0, before), (5, after)):
