@@ -92,8 +92,6 @@ def run_training_reporting_errors(config: RolloverConfig, world: World) -> int:
 
     try:
         return run_training(config, world=world)
-    except (ConfigError, ValueError):
-        raise
     except EngineError as exc:
         print(f"rollover train: the inference engine failed: {exc}", file=sys.stderr)
         return 1
@@ -116,7 +114,7 @@ async def _run(
 ) -> int:
     from rollover.controller import Controller
     from rollover.distributed.commands import Hello, LeaderPolicy, LeaderWeightSync
-    from rollover.engine.pool import node_engines, wait_all_ready
+    from rollover.engine.pool import node_engines, register_all, wait_all_ready
     from rollover.engine.watchdog import EngineWatchdog
     from rollover.engine.weight_sync import EngineWeightSync
     from rollover.gateway.client import GatewayClient
@@ -204,10 +202,7 @@ async def _run(
                     f"resumed {checkpoint.name}: step {trainer.global_step}, aborted {stranded} stranded rollouts",
                     file=sys.stderr,
                 )
-            for engine in engines:
-                engine.policy_version = trainer.policy_version
-                engine.attach_gateway(gateway_url, admin_key)
-                await engine.register_with_gateway(gateway_url, admin_key)
+            await register_all(engines, gateway_url, admin_key, trainer.policy_version)
             if world.distributed:
                 await asyncio.to_thread(_barrier)  # every node's engines serve
             max_restarts = config.actor_rollout_ref.rollout.max_engine_restarts

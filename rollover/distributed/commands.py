@@ -7,6 +7,7 @@ protocols, each call first announced to the other ranks.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -132,9 +133,7 @@ class LeaderWeightSync:
         self.channel.send(BeforeUpdate())
         await self.local.before_update()
 
-    async def sync(self, policy: Any, version: int) -> None:
-        import asyncio
-
+    async def sync(self, policy: LeaderPolicy, version: int) -> None:
         self.channel.send(SyncWeights(version))
-        await self.local.sync(getattr(policy, "local", policy), version)
+        await self.local.sync(policy, version)  # gathering the weights is announced by SyncWeights
         await asyncio.to_thread(dist.barrier)

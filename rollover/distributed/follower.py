@@ -27,7 +27,7 @@ from rollover.distributed.commands import (
     Update,
 )
 from rollover.distributed.world import World
-from rollover.engine.pool import node_engines, wait_all_ready
+from rollover.engine.pool import node_engines, register_all, wait_all_ready
 from rollover.engine.vllm_engine import VLLMEngine
 from rollover.engine.watchdog import EngineWatchdog
 from rollover.engine.weight_sync import EngineWeightSync
@@ -71,7 +71,7 @@ def follow(config: RolloverConfig, world: World) -> int:
     owns_engines = world.is_node_leader and world.node_rank > 0  # node 0's are rank 0's
     engines: list[VLLMEngine] = node_engines(config, hello.model_path, run_dir, world) if owns_engines else []
     node = NodeLoop()
-    locks: list[asyncio.Lock] = []
+    locks = [asyncio.Lock() for _ in engines]  # shared by each engine's watchdog and the weight sync
     watchdogs: list[concurrent.futures.Future[None]] = []
     try:
         for engine in engines:
@@ -79,14 +79,14 @@ def follow(config: RolloverConfig, world: World) -> int:
         policy = Policy(hello.model_path, config, world)
         if engines:
             node.run(wait_all_ready(engines))
-            locks = node.run(_attach(engines, hello))
+            node.run(register_all(engines, hello.gateway_url, hello.admin_key, hello.policy_version))
             for engine, lock in zip(engines, locks):
                 watchdog = EngineWatchdog(
                     engine, lock, max_restarts=config.actor_rollout_ref.rollout.max_engine_restarts
                 )
                 watchdogs.append(asyncio.run_coroutine_threadsafe(watchdog.run(), node.loop))
         dist.barrier()  # every node's engines serve: rank 0 starts rollouts
-        weight_sync = EngineWeightSync(engines, run_dir / "weights" / f"node{world.node_rank}", locks or None)
+        weight_sync = EngineWeightSync(engines, run_dir / "weights" / f"node{world.node_rank}", locks)
         while True:
             _raise_if_an_engine_is_lost(watchdogs)
             command = channel.receive()
@@ -120,12 +120,3 @@ def _raise_if_an_engine_is_lost(watchdogs: list[concurrent.futures.Future[None]]
         failure = watchdog.exception() if watchdog.done() and not watchdog.cancelled() else None
         if failure is not None:
             raise failure
-
-
-async def _attach(engines: list[VLLMEngine], hello: Hello) -> list[asyncio.Lock]:
-    """Register the node's engines with the one gateway; their locks live on this loop."""
-    for engine in engines:
-        engine.policy_version = hello.policy_version
-        engine.attach_gateway(hello.gateway_url, hello.admin_key)
-        await engine.register_with_gateway(hello.gateway_url, hello.admin_key)
-    return [asyncio.Lock() for _ in engines]

@@ -50,3 +50,12 @@ def node_engines(config: RolloverConfig, model_path: str | Path, run_dir: Path, 
 async def wait_all_ready(engines: list[VLLMEngine]) -> None:
     """Engines start side by side; the first that fails to start raises."""
     await asyncio.gather(*(asyncio.to_thread(engine.wait_ready) for engine in engines))
+
+
+async def register_all(engines: list[VLLMEngine], gateway_url: str, admin_key: str, policy_version: int) -> None:
+    """Put the engines in the gateway's rotation at `policy_version`; each re-registers itself
+    after every weight load and restart."""
+    for engine in engines:
+        engine.policy_version = policy_version
+        engine.attach_gateway(gateway_url, admin_key)
+        await engine.register_with_gateway(gateway_url, admin_key)
