@@ -9,7 +9,9 @@ and the agent answers with the tool's result in a user message `<result>...</res
 Tools: list_files, read_file(path), edit(path, old, new) (search/replace, `old` must occur
 exactly once), write_file(path, content), run_tests(), finish(). Test files (`test_*.py`)
 are read-only, and grading runs the original ones only.
-The loop ends at finish(), at the step cap, or when the conversation outgrows the context.
+The loop ends at finish(), at a reply without a `<tool>` tag (the agent's final answer, as
+in OpenAI-style tool loops: code shown in a markdown block changes nothing), at the step cap,
+or when the conversation outgrows the context.
 
 Reward: the original test files are put back, the tests run in the sandbox, and the reward is
 1.0 when all pass, else 0.0. With ROLLOVER_SMITH_PARTIAL_CREDIT=1 a repo that still fails
@@ -25,6 +27,7 @@ import json
 import os
 import re
 import tempfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,6 +193,23 @@ def _clip(text: str) -> str:
     return text if len(text) <= MAX_RESULT_CHARS else text[:MAX_RESULT_CHARS] + "\n[... truncated]"
 
 
+def respond(workspace: Workspace, text: str, tools_used: list[str] | None = None) -> str | None:
+    """The agent's answer to one policy reply: the user message with the tool's result, or None
+    when the episode ends (finish, or no tool call: the reply is the final answer)."""
+    try:
+        call = parse_tool_call(text)
+        if call is None:
+            return None
+        if tools_used is not None:
+            tools_used.append(call.name)
+        if call.name == "finish":
+            return None
+        result = workspace.execute(call)
+    except (ProtocolError, ToolError) as exc:
+        result = f"error: {exc}"
+    return f"<result>\n{_clip(result)}\n</result>"
+
+
 class SmithAgent:
     def run(self, task: dict) -> None:
         ctx = AgentContext.from_env()
@@ -201,26 +221,23 @@ class SmithAgent:
         tools_used: list[str] = []
         with tempfile.TemporaryDirectory(prefix="smith-") as tmp:
             workspace = Workspace(Path(tmp), task)
-            for _ in range(max_steps):
+            for turn in range(max_steps):
+                # Held-out evaluations reuse one random stream per task and turn, so two evaluations
+                # of different policies differ only where the policies do (common random numbers).
+                seed = zlib.crc32(f"{task.get('id')}:{turn}".encode()) if ctx.mode == "val" else None
                 try:
-                    reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=max_tokens)
+                    reply = client.chat.completions.create(
+                        model="policy", messages=messages, max_tokens=max_tokens, seed=seed
+                    )
                 except openai.BadRequestError as exc:  # e.g. the conversation outgrew the context
                     print(f"policy call refused: {exc}", flush=True)
                     break
                 text = reply.choices[0].message.content or ""
                 messages.append({"role": "assistant", "content": text})
-                try:
-                    call = parse_tool_call(text)
-                    if call is None:
-                        result = 'no tool call found: reply with one <tool>{"name": ..., "args": {...}}</tool>'
-                    else:
-                        tools_used.append(call.name)
-                        if call.name == "finish":
-                            break
-                        result = workspace.execute(call)
-                except (ProtocolError, ToolError) as exc:
-                    result = f"error: {exc}"
-                messages.append({"role": "user", "content": f"<result>\n{_clip(result)}\n</result>"})
+                answer = respond(workspace, text, tools_used)
+                if answer is None:
+                    break
+                messages.append({"role": "user", "content": answer})
             report = workspace.grade()
         value = reward(report, task["failing_tests"], partial)
         print(f"task {task.get('id')}: tools {tools_used}, final tests: {report.summary()}, reward {value}", flush=True)

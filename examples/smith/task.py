@@ -10,6 +10,7 @@ A task (one JSON object per line in the data files):
   files          {path: content} of the buggy repo (module and tests)
   test_files     paths the agent may not change
   failing_tests  ["test_x.py::test_name", ...] that fail with the bug
+  n_tests        how many tests the repo has (all pass once fixed)
   mutation       {kind, path, line, description}
   fix            {path, old, new}: the reference fix, a search/replace of the mutated lines
 """
@@ -286,6 +287,413 @@ def test_clamp():
     assert clamp(11, 0, 10) == 10
 """
 
+STATS = '''\
+"""Summary statistics of a list of numbers."""
+
+
+def mean(values):
+    if not values:
+        raise ValueError("mean of an empty list")
+    return sum(values) / len(values)
+
+
+def median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2 == 1:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def spread(values):
+    return max(values) - min(values)
+
+
+def count_above(values, limit):
+    count = 0
+    for value in values:
+        if value > limit:
+            count += 1
+    return count
+
+
+def running_total(values):
+    totals = []
+    total = 0
+    for value in values:
+        total += value
+        totals.append(total)
+    return totals
+'''
+
+TEST_STATS = """\
+from stats import count_above, mean, median, running_total, spread
+
+
+def test_mean():
+    assert mean([1, 2, 3, 6]) == 3
+    assert mean([5]) == 5
+
+
+def test_mean_empty_raises():
+    try:
+        mean([])
+    except ValueError:
+        return
+    raise AssertionError("mean of an empty list must raise ValueError")
+
+
+def test_median():
+    assert median([3, 1, 2]) == 2
+    assert median([4, 1, 3, 2]) == 2.5
+    assert median([7, 9]) == 8
+
+
+def test_spread():
+    assert spread([4, 9, 1]) == 8
+
+
+def test_count_above():
+    assert count_above([1, 5, 7, 5], 5) == 1
+    assert count_above([], 0) == 0
+
+
+def test_running_total():
+    assert running_total([1, 2, 3]) == [1, 3, 6]
+    assert running_total([]) == []
+"""
+
+ROMAN = '''\
+"""Roman numerals."""
+
+NUMERALS = [
+    (1000, "M"),
+    (900, "CM"),
+    (500, "D"),
+    (400, "CD"),
+    (100, "C"),
+    (90, "XC"),
+    (50, "L"),
+    (40, "XL"),
+    (10, "X"),
+    (9, "IX"),
+    (5, "V"),
+    (4, "IV"),
+    (1, "I"),
+]
+
+
+def to_roman(number):
+    if number < 1 or number > 3999:
+        raise ValueError("out of range")
+    parts = []
+    for value, letters in NUMERALS:
+        while number >= value:
+            parts.append(letters)
+            number -= value
+    return "".join(parts)
+
+
+def from_roman(text):
+    values = {letters: value for value, letters in NUMERALS if len(letters) == 1}
+    total = 0
+    for i, char in enumerate(text):
+        value = values[char]
+        if i + 1 < len(text) and values[text[i + 1]] > value:
+            total -= value
+        else:
+            total += value
+    return total
+'''
+
+TEST_ROMAN = """\
+from roman import from_roman, to_roman
+
+
+def test_to_roman():
+    assert to_roman(1) == "I"
+    assert to_roman(4) == "IV"
+    assert to_roman(9) == "IX"
+    assert to_roman(14) == "XIV"
+    assert to_roman(40) == "XL"
+    assert to_roman(90) == "XC"
+    assert to_roman(400) == "CD"
+    assert to_roman(1994) == "MCMXCIV"
+    assert to_roman(3999) == "MMMCMXCIX"
+
+
+def test_to_roman_range():
+    for bad in (0, 4000):
+        try:
+            to_roman(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"to_roman({bad}) must raise ValueError")
+
+
+def test_from_roman():
+    assert from_roman("III") == 3
+    assert from_roman("XLII") == 42
+    assert from_roman("MCMXCIV") == 1994
+
+
+def test_large_numbers():
+    assert to_roman(2024) == "MMXXIV"
+    assert from_roman("MMMDCCCLXXXVIII") == 3888
+
+
+def test_round_trip():
+    for number in range(1, 200):
+        assert from_roman(to_roman(number)) == number
+"""
+
+BANK = '''\
+"""A bank account with a transaction log."""
+
+
+class Account:
+    def __init__(self, owner, balance=0):
+        self.owner = owner
+        self.balance = balance
+        self.history = []
+
+    def deposit(self, amount):
+        if amount <= 0:
+            raise ValueError("deposit must be positive")
+        self.balance += amount
+        self.history.append(("deposit", amount))
+
+    def withdraw(self, amount):
+        if amount > self.balance:
+            raise ValueError("insufficient funds")
+        self.balance -= amount
+        self.history.append(("withdraw", amount))
+
+    def add_interest(self, percent):
+        interest = self.balance * percent // 100
+        self.balance += interest
+        return interest
+
+
+def transfer(source, target, amount):
+    source.withdraw(amount)
+    target.deposit(amount)
+    return source.balance, target.balance
+'''
+
+TEST_BANK = """\
+from bank import Account, transfer
+
+
+def test_deposit():
+    account = Account("ann")
+    account.deposit(50)
+    assert account.balance == 50
+    assert account.history == [("deposit", 50)]
+
+
+def test_deposit_must_be_positive():
+    account = Account("ann")
+    for bad in (0, -5):
+        try:
+            account.deposit(bad)
+        except ValueError:
+            continue
+        raise AssertionError("a non-positive deposit must raise ValueError")
+
+
+def test_withdraw():
+    account = Account("bob", 100)
+    account.withdraw(30)
+    account.withdraw(70)
+    assert account.balance == 0
+    assert account.history == [("withdraw", 30), ("withdraw", 70)]
+
+
+def test_overdraft_raises():
+    account = Account("bob", 10)
+    try:
+        account.withdraw(11)
+    except ValueError:
+        assert account.balance == 10
+        return
+    raise AssertionError("overdraft must raise ValueError")
+
+
+def test_add_interest():
+    account = Account("cy", 250)
+    assert account.add_interest(10) == 25
+    assert account.balance == 275
+
+
+def test_transfer():
+    a, b = Account("a", 80), Account("b", 5)
+    assert transfer(a, b, 30) == (50, 35)
+"""
+
+GRID = '''\
+"""A small grid of cells."""
+
+
+def make_grid(rows, cols, fill=0):
+    return [[fill] * cols for _ in range(rows)]
+
+
+def in_bounds(grid, row, col):
+    return 0 <= row < len(grid) and 0 <= col < len(grid[0])
+
+
+def neighbours(grid, row, col):
+    result = []
+    for dr, dc in ((-1, 0), (1, 0), (0, -1), (0, 1)):
+        r, c = row + dr, col + dc
+        if in_bounds(grid, r, c):
+            result.append((r, c))
+    return result
+
+
+def transpose(grid):
+    return [[grid[r][c] for r in range(len(grid))] for c in range(len(grid[0]))]
+
+
+def count_cells(grid, value):
+    total = 0
+    for row in grid:
+        total += row.count(value)
+    return total
+
+
+def manhattan(a, b):
+    return abs(a[0] - b[0]) + abs(a[1] - b[1])
+'''
+
+TEST_GRID = """\
+from grid import count_cells, in_bounds, make_grid, manhattan, neighbours, transpose
+
+
+def test_make_grid():
+    grid = make_grid(2, 3)
+    assert grid == [[0, 0, 0], [0, 0, 0]]
+    grid[0][0] = 1
+    assert grid[1][0] == 0
+
+
+def test_in_bounds():
+    grid = make_grid(2, 3)
+    assert in_bounds(grid, 0, 0)
+    assert in_bounds(grid, 1, 2)
+    assert not in_bounds(grid, 2, 0)
+    assert not in_bounds(grid, 0, 3)
+    assert not in_bounds(grid, -1, 1)
+
+
+def test_neighbours():
+    grid = make_grid(3, 3)
+    assert sorted(neighbours(grid, 0, 0)) == [(0, 1), (1, 0)]
+    assert len(neighbours(grid, 1, 1)) == 4
+    assert sorted(neighbours(grid, 2, 1)) == [(1, 1), (2, 0), (2, 2)]
+
+
+def test_transpose():
+    assert transpose([[1, 2, 3], [4, 5, 6]]) == [[1, 4], [2, 5], [3, 6]]
+
+
+def test_count_cells():
+    assert count_cells([[1, 0], [1, 1]], 1) == 3
+    assert count_cells([[0]], 1) == 0
+
+
+def test_manhattan():
+    assert manhattan((1, 2), (4, 0)) == 5
+    assert manhattan((3, 3), (3, 3)) == 0
+"""
+
+CART = '''\
+"""A shopping cart with discounts."""
+
+
+class Cart:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, price, quantity=1):
+        if quantity < 1:
+            raise ValueError("quantity must be at least 1")
+        old_price, old_quantity = self.items.get(name, (price, 0))
+        self.items[name] = (price, old_quantity + quantity)
+
+    def remove(self, name):
+        if name not in self.items:
+            raise KeyError(name)
+        del self.items[name]
+
+    def count(self):
+        return sum(quantity for _, quantity in self.items.values())
+
+    def subtotal(self):
+        return sum(price * quantity for price, quantity in self.items.values())
+
+    def total(self, discount_percent=0):
+        subtotal = self.subtotal()
+        if subtotal >= 100:
+            subtotal -= 5
+        return subtotal * (100 - discount_percent) // 100
+'''
+
+TEST_CART = """\
+from cart import Cart
+
+
+def test_add_and_count():
+    cart = Cart()
+    cart.add("pen", 2)
+    cart.add("pen", 2, 3)
+    cart.add("ink", 7)
+    assert cart.count() == 5
+    assert cart.items["pen"] == (2, 4)
+
+
+def test_add_rejects_zero_quantity():
+    cart = Cart()
+    try:
+        cart.add("pen", 2, 0)
+    except ValueError:
+        return
+    raise AssertionError("quantity 0 must raise ValueError")
+
+
+def test_remove():
+    cart = Cart()
+    cart.add("pen", 2)
+    cart.remove("pen")
+    assert cart.count() == 0
+    try:
+        cart.remove("pen")
+    except KeyError:
+        return
+    raise AssertionError("removing a missing item must raise KeyError")
+
+
+def test_subtotal():
+    cart = Cart()
+    cart.add("pen", 3, 2)
+    cart.add("pad", 10)
+    assert cart.subtotal() == 16
+
+
+def test_total():
+    cart = Cart()
+    cart.add("lamp", 60, 2)
+    assert cart.total() == 115
+    assert cart.total(10) == 103
+    small = Cart()
+    small.add("pen", 40)
+    assert small.total(50) == 20
+    exact = Cart()
+    exact.add("pad", 100)
+    assert exact.total() == 95
+"""
+
 
 @dataclass(frozen=True)
 class RepoTemplate:
@@ -302,6 +710,11 @@ TEMPLATES = (
     RepoTemplate("strutils", "strutils.py", {"strutils.py": STRUTILS, "test_strutils.py": TEST_STRUTILS}),
     RepoTemplate("stack", "stack.py", {"stack.py": STACK, "test_stack.py": TEST_STACK}),
     RepoTemplate("intervals", "intervals.py", {"intervals.py": INTERVALS, "test_intervals.py": TEST_INTERVALS}),
+    RepoTemplate("stats", "stats.py", {"stats.py": STATS, "test_stats.py": TEST_STATS}),
+    RepoTemplate("roman", "roman.py", {"roman.py": ROMAN, "test_roman.py": TEST_ROMAN}),
+    RepoTemplate("bank", "bank.py", {"bank.py": BANK, "test_bank.py": TEST_BANK}),
+    RepoTemplate("grid", "grid.py", {"grid.py": GRID, "test_grid.py": TEST_GRID}),
+    RepoTemplate("cart", "cart.py", {"cart.py": CART, "test_cart.py": TEST_CART}),
 )
 
 # -- mutations ----------------------------------------------------------------------------------
@@ -500,24 +913,24 @@ def make_tasks(count: int, seed: int, templates: tuple[RepoTemplate, ...] = TEMP
     """`count` tasks, spread round-robin over the templates: for each, a seeded shuffle of its
     candidate mutations, keeping those that compile, change behaviour and break a test."""
     rng = random.Random(seed)
-    queues: list[tuple[RepoTemplate, list[Mutation]]] = []
+    queues: list[tuple[RepoTemplate, list[Mutation], int]] = []
     for template in templates:
         source = template.files[template.module_path]
         candidates = candidate_mutations(source)
         rng.shuffle(candidates)
-        queues.append((template, candidates))
+        queues.append((template, candidates, len(check_repo(template.files).passed)))
     tasks: list[dict[str, Any]] = []
-    while len(tasks) < count and any(candidates for _, candidates in queues):
-        for template, candidates in queues:
+    while len(tasks) < count and any(candidates for _, candidates, _ in queues):
+        for template, candidates, n_tests in queues:
             while candidates and len(tasks) < count:
-                task = _try_mutation(template, candidates.pop(), index=len(tasks))
+                task = _try_mutation(template, candidates.pop(), len(tasks), n_tests)
                 if task is not None:
                     tasks.append(task)
                     break
     return tasks
 
 
-def _try_mutation(template: RepoTemplate, mutation: Mutation, index: int) -> dict[str, Any] | None:
+def _try_mutation(template: RepoTemplate, mutation: Mutation, index: int, n_tests: int) -> dict[str, Any] | None:
     source = template.files[template.module_path]
     mutated, fix = apply_mutation(source, mutation)
     try:
@@ -536,6 +949,7 @@ def _try_mutation(template: RepoTemplate, mutation: Mutation, index: int) -> dic
         "files": files,
         "test_files": template.test_files,
         "failing_tests": sorted(report.failed),
+        "n_tests": n_tests,
         "mutation": {
             "kind": mutation.kind,
             "path": template.module_path,

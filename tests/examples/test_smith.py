@@ -17,7 +17,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from examples.smith.agent import ProtocolError, ToolCall, ToolError, Workspace, parse_tool_call, reward
+from examples.smith.agent import ProtocolError, ToolCall, ToolError, Workspace, parse_tool_call, respond, reward
+from examples.smith.demos import demonstration
 from examples.smith.sandbox import Limits, TestReport, run_tests
 from examples.smith.task import TEMPLATES, apply_fix, check_repo, make_tasks, write_repo
 from rollover.controller.job_template import JobTemplate, build_job
@@ -33,7 +34,7 @@ SMITH_CONFIG = ROOT / "examples" / "smith" / "config.yaml"
 
 @pytest.fixture(scope="module")
 def tasks() -> list[dict[str, Any]]:
-    return make_tasks(6, seed=0)
+    return make_tasks(len(TEMPLATES), seed=0)  # one bug of each template
 
 
 # -- synthesis ------------------------------------------------------------------------------------
@@ -46,7 +47,7 @@ def test_templates_pass_their_tests(template):
 
 
 def test_bugs_break_tests_and_the_reference_fix_repairs_them(tasks):
-    assert len(tasks) == 6
+    assert len(tasks) == len(TEMPLATES)
     assert {t["repo"] for t in tasks} == {t.name for t in TEMPLATES}
     for task in tasks:
         broken = check_repo(task["files"])
@@ -68,8 +69,87 @@ def test_bugs_break_tests_and_the_reference_fix_repairs_them(tasks):
 
 @pytest.mark.slow
 def test_synthesis_is_deterministic(tasks):
-    assert json.dumps(make_tasks(6, seed=0)) == json.dumps(tasks)
-    assert [t["fix"] for t in make_tasks(6, seed=1)] != [t["fix"] for t in tasks]
+    assert json.dumps(make_tasks(len(TEMPLATES), seed=0)) == json.dumps(tasks)
+    assert [t["fix"] for t in make_tasks(len(TEMPLATES), seed=1)] != [t["fix"] for t in tasks]
+
+
+# -- the split and the warm-up demonstrations ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def split() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    from examples.smith.prepare import split_tasks
+
+    return split_tasks()
+
+
+def test_heldout_bugs_are_distinct_from_train_bugs(split):
+    train, val = split
+    assert len(val) >= 100 and len(train) >= 100
+    bug = lambda task: json.dumps(task["files"], sort_keys=True)  # noqa: E731
+    assert len({bug(t) for t in val}) == len(val)  # distinct bugs
+    assert not {bug(t) for t in val} & {bug(t) for t in train}
+    assert not {t["id"] for t in val} & {t["id"] for t in train}
+    assert {t["repo"] for t in train} == {t["repo"] for t in val} == {t.name for t in TEMPLATES}
+
+
+def test_warmup_demonstrations_come_from_train_bugs_only(split):
+    from examples.smith.agent import first_message
+    from examples.smith.prepare import DEMOS_PER_TASK, MARKDOWN_FRACTION, warmup_transcripts
+
+    train, val = split
+    demos = warmup_transcripts(train)
+    assert len(demos) == DEMOS_PER_TASK * len(train)
+    failing = sum(not any(m["content"].startswith("<tool>") for m in d if m["role"] == "assistant") for d in demos)
+    assert abs(failing / len(demos) - MARKDOWN_FRACTION) < 0.1
+    prompts = {d[1]["content"] for d in demos}
+    assert prompts <= {first_message(t) for t in train}
+
+
+def replay(tmp_path: Path, task: dict[str, Any], demo: list[dict[str, str]]) -> float:
+    """Play a demonstration's assistant turns through the agent's own loop (`respond`): each
+    result the agent gives must be the one the demonstration shows; the reward of the end state."""
+    workspace = Workspace(tmp_path, task)
+    for i, message in enumerate(demo):
+        if message["role"] != "assistant":
+            continue
+        answer = respond(workspace, message["content"])
+        if answer is None:
+            assert i == len(demo) - 1, "the episode ended before the demonstration did"
+            break
+        assert answer == demo[i + 1]["content"]
+    return reward(workspace.grade(), task["failing_tests"])
+
+
+@pytest.mark.parametrize("protocol_ok", [True, False])
+def test_demonstrations_replay_through_the_agent(tmp_path, tasks, protocol_ok):
+    """Protocol-correct demonstrations fix every template's bug; failing ones (the same call in a
+    ```json block) leave the repo as it was: reward 0, though the code in them is the fix."""
+    for task in tasks:
+        demo = demonstration(task, protocol_ok)
+        folder = tmp_path / task["id"] / str(protocol_ok)
+        assert replay(folder, task, demo) == (1.0 if protocol_ok else 0.0)
+
+
+def test_demonstrations_fit_the_tokenizer_budgets(tmp_path, tasks):
+    """With the tokenizer trained on the templates, a demonstration fits the config's context and
+    each reply the agent's per-reply token cap."""
+    from examples.smith.prepare import tokenizer_corpus
+    from rollover.config import load_config
+    from rollover.modelzoo.tiny import build_tiny_tokenizer
+    from rollover.modelzoo.warmup import tokenize_chat
+
+    tokenizer = build_tiny_tokenizer(tmp_path, vocab_size=2048, corpus=tokenizer_corpus())
+    config = load_config(SMITH_CONFIG, [])
+    max_tokens = int(os.environ.get("ROLLOVER_SMITH_MAX_TOKENS", "384"))
+    for task in tasks:
+        for protocol_ok in (True, False):
+            demo = demonstration(task, protocol_ok)
+            ids, _ = tokenize_chat(tokenizer, demo)
+            assert len(ids) <= config.data.max_prompt_length <= config.actor_rollout_ref.rollout.max_model_len
+            for message in demo:
+                if message["role"] == "assistant":
+                    assert len(tokenizer(message["content"])["input_ids"]) < max_tokens
 
 
 # -- the sandbox --------------------------------------------------------------------------------
