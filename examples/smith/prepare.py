@@ -32,14 +32,15 @@ def prepare(config: RolloverConfig) -> RolloverConfig:
     cache = Path(config.trainer.default_local_dir) / "_cache" / "smith"
     data = config.data
     train_path, val_path = cache / "train.jsonl", cache / "val.jsonl"
-    if not (train_path.exists() and val_path.exists()):
-        train, val = split_tasks()
-        write_tasks(val_path, val)
-        write_tasks(train_path, train)
-    data.train_files = data.train_files or str(train_path)
-    data.val_files = data.val_files or str(val_path)
     model = config.actor_rollout_ref.model
-    if model.path is None:
+    if data.train_files is None or data.val_files is None or model.path is None:
+        if not (train_path.exists() and val_path.exists()):
+            train, val = split_tasks()
+            write_tasks(val_path, val)
+            write_tasks(train_path, train)
+        data.train_files = data.train_files or str(train_path)
+        data.val_files = data.val_files or str(val_path)
+    if model.path is None:  # warmed up on the cached train split's bugs only
         model.path = str(tiny_smith_model(cache / MODEL_NAME, train_path))
     return config
 
