@@ -21,6 +21,7 @@ from examples.smith.agent import ProtocolError, ToolCall, ToolError, Workspace, 
 from examples.smith.demos import demonstration
 from examples.smith.sandbox import Limits, TestReport, run_tests
 from examples.smith.task import TEMPLATES, apply_fix, check_repo, make_tasks, write_repo
+from rollover.config import load_config
 from rollover.controller.job_template import JobTemplate, build_job
 from rollover.gateway.auth import scoped_key
 from rollover.gateway.server import GatewayThread, free_port, wait_healthy
@@ -135,7 +136,6 @@ def test_demonstrations_fit_the_tokenizer_budgets(tmp_path, tasks):
     """With the tokenizer trained on the templates, a demonstration fits the config's context and
     each reply the agent's per-reply token cap."""
     from examples.smith.prepare import tokenizer_corpus
-    from rollover.config import load_config
     from rollover.modelzoo.tiny import build_tiny_tokenizer
     from rollover.modelzoo.warmup import tokenize_chat
 
@@ -483,8 +483,10 @@ def test_smith_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch, ta
         "data.val_batch_size=2",
         engine=vllm_engine,
     )
+    config = load_config(SMITH_CONFIG, [])
+    batch = config.data.train_batch_size * config.actor_rollout_ref.rollout.n
     for row in train_rows:
-        assert row["training/async/n_completed_rollouts"] == 2 * 4
+        assert row["training/async/n_completed_rollouts"] == batch
         assert row["rollouts/n_failed"] == 0 and row["rollouts/n_missing_reward"] == 0
     assert val_rows and all(r["val/n_failed"] == 0 for r in val_rows)
     logs = list((tmp_path / "smith-smoke" / "agent_logs").glob("*.log"))
