@@ -42,6 +42,22 @@ async def _kill(engine: VLLMEngine) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _squat(host: str, port: int) -> socket.socket:
+    """Bind `port` as a foreign server would, once the killed engine's last process has let it go
+    (its death can be noticed before the kernel has closed every one of its sockets)."""
+    deadline = time.monotonic() + 30
+    while True:
+        squatter = socket.socket()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            squatter.bind((host, port))
+            return squatter
+        except OSError:
+            squatter.close()
+            assert time.monotonic() < deadline, f"port {port} was never released by the killed engine"
+            await asyncio.sleep(0.1)
+
+
 async def _live(client: GatewayClient) -> dict[str, tuple[bool, int]]:
     return {m.endpoint: (m.live, m.policy_version) for m in await client.list_models()}
 
@@ -95,9 +111,7 @@ async def test_an_engine_restarted_on_another_port_replaces_only_its_own_endpoin
     try:
         old = a.base_url
         await _kill(a)
-        with socket.socket() as squatter:  # another server takes a's port while it is down
-            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            squatter.bind((a.host, a.port))
+        with await _squat(a.host, a.port) as squatter:  # another server takes a's port while it is down
             squatter.listen()
             assert await EngineWatchdog(a, asyncio.Lock(), max_restarts=1).check() is True
         assert a.base_url != old
