@@ -11,8 +11,8 @@ always stopped, also when the agent fails.
 Settings (environment, read when the agent starts):
   ROLLOVER_SW_MAX_STEPS     actions per episode (default 8)
   ROLLOVER_SW_MAX_TOKENS    max tokens per reply (default 48)
-  ROLLOVER_SW_OBS_CHARS     characters kept of each observation (default 400)
-  ROLLOVER_SW_PROMPT_CHARS  character budget of the whole conversation (default 3000)
+  ROLLOVER_SW_OBS_CHARS     characters kept of each observation (default 1000)
+  ROLLOVER_SW_PROMPT_CHARS  character budget of the whole conversation (default 8000)
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ PAUSE_ROUNDS = 6
 class Settings:
     max_steps: int = 8
     max_tokens: int = 48
-    obs_chars: int = 400
-    prompt_chars: int = 3000
+    obs_chars: int = 1000
+    prompt_chars: int = 8000
 
     @classmethod
     def from_env(cls) -> Settings:

@@ -27,8 +27,6 @@ TASK_NAMES = (
     "find-non-living-thing",
     "find-plant",
     "find-animal",
-    "lifespan-longest-lived",
-    "lifespan-shortest-lived",
 )
 SIMPLIFICATION = "easy"
 FALLBACK_ACTION = "look around"
@@ -66,6 +64,17 @@ DEMONSTRATION = (
 )
 
 
+def action_reply(action: str) -> str:
+    """A reply in the protocol: the agent acts on it."""
+    return f"ACTION: {action}"
+
+
+def prose_reply(action: str) -> str:
+    """The same intent without the `ACTION:` line (a common slip of chat models): the agent
+    reads no action in it and looks around instead."""
+    return f"I will {action}."
+
+
 def parse_action(text: str | None) -> str:
     """The action after the first `ACTION:` in a reply, cleaned; "look around" if there is none."""
     match = ACTION.search(text or "")
@@ -86,6 +95,39 @@ def trim(text: str, limit: int) -> str:
     cut = text[:limit]
     newline = cut.rfind("\n")
     return (cut[:newline] if newline > limit // 2 else cut).rstrip() + " ..."
+
+
+_BOX_ROOM = re.compile(r"box in the ([a-z ]+?)\.")
+
+
+def plain_name(name: str) -> str:
+    """An object's name as an observation words it, which the simulator also accepts: its gold
+    path says "egg turtle" and "adult pea plant" where the room shows "turtle egg", "pea plant"."""
+    name = name.removeprefix("adult ")
+    if name.startswith("egg "):
+        name = name.removeprefix("egg ").removesuffix(" egg") + " egg"
+    return name
+
+
+def short_solution(gold: list[str], description: str) -> list[str]:
+    """The shortest winning actions of a find quest, from the simulator's gold path (which
+    walks door by door): teleport to the room of the thing the gold path focuses on, look
+    around, focus on it, pick it up (or the pot it grows in), teleport to the box's room and
+    move it into the box."""
+    focus = next(i for i, action in enumerate(gold) if action.startswith("focus on "))
+    rooms = [action.removeprefix("go to ") for action in gold[:focus] if action.startswith("go to ")]
+    thing = plain_name(gold[focus].removeprefix("focus on "))
+    picked = next((plain_name(a.removeprefix("pick up ")) for a in gold[focus:] if a.startswith("pick up ")), None)
+    box = gold[-1].rsplit(" to ", 1)[1]
+    box_room = _BOX_ROOM.search(description)
+    actions = [f"teleport to {rooms[-1]}"] if rooms else []
+    actions += ["look around", f"focus on {thing}"]
+    if picked is not None:
+        actions.append(f"pick up {picked}")
+    if box_room is not None and box_room.group(1) != (rooms[-1] if rooms else None):
+        actions.append(f"teleport to {box_room.group(1)}")
+    actions.append(f"move {picked or thing} to {box}")
+    return actions
 
 
 def reward_from_score(score: int) -> float:
@@ -158,6 +200,11 @@ class ScienceWorld:
         """(observation, score 0..100 or negative when failed, finished)."""
         observation, _, done, info = self.env.step(action)
         return observation, int(info["score"]), bool(done)
+
+    def solution(self, task_name: str, variation: int, simplification: str = SIMPLIFICATION) -> list[str]:
+        """The simulator's own gold action sequence for a task variation."""
+        self.env.load(task_name, variation, simplification, generateGoldPath=True)
+        return list(self.env.get_gold_action_sequence())
 
     def variations(self, task_name: str) -> dict[str, list[int]]:
         """The simulator's own train and dev (here: val) variations of a task."""

@@ -1,8 +1,8 @@
 """Train the ScienceWorld agent: `python examples/sw/train_sw_agent.py [--async] [key=value ...]`.
 
-The config presets collocated asynchronous rollout with a window of 1.5 x train_batch_size
-(ScienceWorld episodes are long-tailed); `--async` sets the recommended start instead,
-async_train_batch_size = 2 * train_batch_size, computed from the (possibly overridden) batch.
+The config presets collocated asynchronous rollout with a window of 2 x train_batch_size
+(ScienceWorld episodes are long-tailed); `--async` sets the same ratio, computed from the
+(possibly overridden) batch.
 """
 
 import sys

@@ -13,15 +13,21 @@ import httpx
 import openai
 import pytest
 
-from examples.sw.agent import PAUSE_ROUNDS, ask, window
+from examples.sw.agent import PAUSE_ROUNDS, Settings, ask, window
 from examples.sw.task import (
     DEMONSTRATION,
     FALLBACK_ACTION,
+    SYSTEM_PROMPT,
     TASK_NAMES,
     ScienceWorld,
+    action_reply,
+    make_tasks,
     parse_action,
+    plain_name,
     play,
+    prose_reply,
     reward_from_score,
+    short_solution,
     trim,
 )
 from rollover.config import load_config
@@ -145,6 +151,104 @@ def test_the_demonstration_follows_the_protocol() -> None:
     assert [parse_action(m["content"]) for m in DEMONSTRATION[1::2]] == ["teleport to kitchen", "focus on red apple"]
 
 
+def test_replies_in_and_out_of_the_protocol() -> None:
+    assert parse_action(action_reply("focus on dove")) == "focus on dove"
+    assert parse_action(prose_reply("focus on dove")) == FALLBACK_ACTION  # the agent looks around instead
+    assert "focus on dove" in prose_reply("focus on dove")
+
+
+@pytest.mark.parametrize(
+    "gold, plain",
+    [
+        ("adult pea plant", "pea plant"),
+        ("egg turtle egg", "turtle egg"),
+        ("egg blue jay", "blue jay egg"),
+        ("flower pot 3", "flower pot 3"),
+    ],
+)
+def test_plain_name(gold: str, plain: str) -> None:
+    assert plain_name(gold) == plain
+
+
+GOLD_PLANT = [
+    "open door to greenhouse",
+    "go to greenhouse",
+    "look around",
+    "focus on adult apple tree",
+    "pick up flower pot 7",
+    "open door to hallway",
+    "go to hallway",
+    "open door to kitchen",
+    "go to kitchen",
+    "open door to bathroom",
+    "go to bathroom",
+    "move flower pot 7 containing apple tree and soil in inventory to green box",
+]
+PLANT_TASK = (
+    "Your task is to find a(n) plant. First, focus on the thing. Then, move it to the green box in the bathroom."
+)
+
+
+def test_short_solution_teleports_where_the_gold_path_walks() -> None:
+    assert short_solution(GOLD_PLANT, PLANT_TASK) == [
+        "teleport to greenhouse",
+        "look around",
+        "focus on apple tree",
+        "pick up flower pot 7",
+        "teleport to bathroom",
+        "move flower pot 7 to green box",
+    ]
+    gold = [
+        "go to outside",
+        "look around",
+        "focus on egg parrot",
+        "pick up egg parrot",
+        "go to kitchen",
+        "move egg parrot egg in inventory to green box",
+    ]
+    assert short_solution(gold, PLANT_TASK)[2:] == [
+        "focus on parrot egg",
+        "pick up parrot egg",
+        "teleport to bathroom",
+        "move parrot egg to green box",
+    ]
+    # the thing already in the box's room, nothing to pick up
+    gold = ["open door to kitchen", "go to kitchen", "look around", "focus on chair", "move chair to red box"]
+    task = "Your task is to find a(n) non-living thing. First, focus on the thing. Then, move it to the red box in the kitchen."
+    assert short_solution(gold, task) == [
+        "teleport to kitchen",
+        "look around",
+        "focus on chair",
+        "move chair to red box",
+    ]
+
+
+def test_demonstration_tasks_are_not_rl_tasks() -> None:
+    from examples.sw.prepare import DEMOS_PER_TASK, TRAIN_PER_TASK, demonstration_tasks
+
+    splits = {name: {"train": list(range(400)), "val": [1000]} for name in TASK_NAMES}
+    rl = make_tasks(splits, "train", TRAIN_PER_TASK)
+    demos = demonstration_tasks(splits)
+    assert len(demos) == DEMOS_PER_TASK * len(TASK_NAMES)
+    assert not {t["id"] for t in rl} & {t["id"] for t in demos}
+
+
+@pytest.mark.slow
+def test_demonstrations_replay_the_short_solution_in_the_agents_words() -> None:
+    from examples.sw.demonstrations import transcripts
+
+    tasks = [{"task_name": "find-plant", "variation": 3}, {"task_name": "find-animal", "variation": 5}]
+    (ok, ok_score), (prose, prose_score) = [transcripts([task], prose_fraction=p)[0] for task, p in zip(tasks, (0, 1))]
+    assert ok_score == 100 and 0 <= prose_score < 100
+    for chat in (ok, prose):  # what the agent sends: its system prompt, the worked example, the task
+        assert chat[0] == {"role": "system", "content": SYSTEM_PROMPT} and chat[1:5] == list(DEMONSTRATION)
+        assert chat[5]["content"].startswith("Task: Your task is to find") and chat[-1]["role"] == "assistant"
+        assert len("".join(m["content"] for m in chat)) <= Settings().prompt_chars + 1000
+    actions = [parse_action(m["content"]) for m in ok[6::2]]
+    assert actions[0].startswith("teleport to") and actions[-1].startswith("move ")
+    assert all(parse_action(m["content"]) == FALLBACK_ACTION for m in prose[6::2])
+
+
 @pytest.mark.slow
 def test_scripted_episode_scores() -> None:
     actions = iter(["teleport to kitchen", "look around", "focus on table"])
@@ -194,11 +298,12 @@ def test_prepare_splits_tasks_by_variation(tmp_path: Path) -> None:
     assert Path(config.data.train_files).stat().st_mtime == mtime
 
 
-def test_config_presets_async_at_one_and_a_half_the_batch() -> None:
+def test_config_presets_async_at_twice_the_batch() -> None:
     config = load_config(SW_CONFIG, [])
     async_rollout = config.agentlightning.async_rollout
     assert async_rollout.enabled
-    assert async_rollout.async_train_batch_size == config.data.train_batch_size * 3 // 2
+    assert async_rollout.async_train_batch_size == config.data.train_batch_size * 2
+    assert config.data.val_batch_size == 128  # every held-out task
     assert config.agentlightning.local.agent_class == "examples.sw.agent:SWAgent"
 
 
