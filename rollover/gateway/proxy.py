@@ -13,11 +13,10 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import aiohttp
-
 from rollover import codec
 from rollover.config import GatewaySettings
 from rollover.gateway.streaming import StreamAssembler
+from rollover.gateway.upstream import ConnectFailed, UpstreamIOError, UpstreamPool, UpstreamResponse, UpstreamTimeout
 from rollover.retry import RetryPolicy, call_with_retries
 from rollover.store.models import ModelEndpoint, ProxyState
 from rollover.store.sqlite import InvalidValue, RolloutStore
@@ -26,7 +25,6 @@ Mode = Literal["train", "val"]
 ENDPOINTS = ("chat/completions", "completions")
 log = logging.getLogger("rollover.gateway.proxy")
 RETRY_BACKOFF_SECONDS = 0.5  # first pause between upstream retries; doubles each retry
-_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class ProxyPauseState:
@@ -314,7 +312,7 @@ def _finite(value: Any) -> bool:
 class Forwarder:
     """Calls the upstream engine with retries on 5xx and timeouts, and records the call.
 
-    The client is aiohttp's: its connection pool stays linear as calls queue up (httpx's
+    The client is `UpstreamPool`: its connection pool stays linear as calls queue up (httpx's
     degraded to ~45 calls/s at 64 concurrent here, against ~440/s), and it hands bodies over
     as bytes, so the engine's answer reaches the agent as the engine wrote it."""
 
@@ -330,41 +328,28 @@ class Forwarder:
         self.settings = settings
         # Called after the proxy took an unreachable endpoint out of rotation (to persist it).
         self.save_registry = save_registry
-        self._session: aiohttp.ClientSession | None = None
-
-    def _client(self) -> aiohttp.ClientSession:
-        # Made on first use: an aiohttp session belongs to the running event loop.
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=30),
-                timeout=aiohttp.ClientTimeout(total=self.settings.gateway.upstream_timeout_seconds, sock_connect=10),
-                # No Accept-Encoding: the body goes back to the agent as the engine wrote it.
-                skip_auto_headers=("User-Agent", "Accept-Encoding"),
-            )
-        return self._session
+        self._pool = UpstreamPool(settings.gateway.upstream_timeout_seconds)
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._pool.close()
 
-    async def _post(self, url: str, payload: bytes) -> aiohttp.ClientResponse:
+    async def _post(self, url: str, payload: bytes) -> UpstreamResponse:
         """One try: the response, body unread, when its status will not be retried; an engine
         that cannot be connected to raised as `_Unreachable`, a timeout, a cut-off connection
         or a 5xx as `_RetryableUpstream`."""
         try:
-            response = await self._client().post(url, data=payload, headers=_JSON_HEADERS)
-        except asyncio.TimeoutError as exc:
-            raise _RetryableUpstream(504, f"upstream timed out: {exc!r}") from None
-        except aiohttp.ClientConnectorError as exc:
-            raise _Unreachable(503, f"upstream unreachable at {url}: {exc!r}") from None
-        except aiohttp.ClientError as exc:
-            raise _RetryableUpstream(503, f"upstream unreachable at {url}: {exc!r}") from None
+            response = await self._pool.post(url, payload)
+        except UpstreamTimeout as exc:
+            raise _RetryableUpstream(504, f"upstream timed out: {exc}") from None
+        except ConnectFailed as exc:
+            raise _Unreachable(503, f"upstream unreachable at {url}: {exc}") from None
+        except UpstreamIOError as exc:
+            raise _RetryableUpstream(503, f"upstream unreachable at {url}: {exc}") from None
         if response.status >= 500:
             try:
                 text = (await response.read())[:500].decode(errors="replace")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                text = repr(exc)
+            except UpstreamIOError as exc:
+                text = str(exc)
             response.release()
             raise _RetryableUpstream(502, f"upstream returned {response.status}: {text}")
         return response
@@ -493,7 +478,7 @@ class _Sent:
     """An engine's response, body unread, and the endpoint that sent it."""
 
     target: ModelEndpoint
-    response: aiohttp.ClientResponse
+    response: UpstreamResponse
 
 
 @dataclass
@@ -518,7 +503,7 @@ class StreamedCall:
     once done) releases the engine's connection, or closes it if the stream did not reach its
     end, which is how the engine learns to stop generating."""
 
-    def __init__(self, forwarder: Forwarder, call: _Call, stack: AsyncExitStack, response: aiohttp.ClientResponse):
+    def __init__(self, forwarder: Forwarder, call: _Call, stack: AsyncExitStack, response: UpstreamResponse):
         self._forwarder = forwarder
         self._call = call
         self._stack = stack
@@ -544,15 +529,15 @@ class StreamedCall:
     async def chunks(self) -> AsyncIterator[bytes]:
         # Headers are sent: a failure is told in-band, as OpenAI's clients read it.
         try:
-            async for piece in self._response.content.iter_any():
+            async for piece in self._response.chunks():
                 self._assembler.feed(piece)
                 if self._assembler.done:
                     await self._record(self._assembler.response())
                 yield piece
             self._finished = True
             await self._record(self._assembler.response())  # an engine that sent no [DONE]
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            yield _sse_error(f"upstream failed mid-stream: {exc!r}")
+        except UpstreamIOError as exc:
+            yield _sse_error(f"upstream failed mid-stream: {exc}")
         except UpstreamError as exc:  # the answer could not be recorded
             yield _sse_error(exc.reason)
 
@@ -571,13 +556,13 @@ def _sse_error(message: str) -> bytes:
     return b"data: " + codec.dumps({"error": {"message": message, "type": "upstream_error"}}) + b"\n\n"
 
 
-async def _read_whole(response: aiohttp.ClientResponse) -> bytes:
+async def _read_whole(response: UpstreamResponse) -> bytes:
     try:
         return await response.read()
-    except asyncio.TimeoutError as exc:
-        raise UpstreamError(504, f"upstream timed out: {exc!r}") from None
-    except aiohttp.ClientError as exc:
-        raise UpstreamError(502, f"upstream failed mid-answer: {exc!r}") from None
+    except UpstreamTimeout as exc:
+        raise UpstreamError(504, f"upstream timed out: {exc}") from None
+    except UpstreamIOError as exc:
+        raise UpstreamError(502, f"upstream failed mid-answer: {exc}") from None
 
 
 def _parsed(raw: bytes) -> tuple[bytes, dict[str, Any]]:

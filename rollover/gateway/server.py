@@ -75,6 +75,7 @@ def build_server(settings: GatewaySettings, log_level: str | None = None) -> uvi
         port=gateway.port,
         log_level=log_level or "warning",
         access_log=False,
+        proxy_headers=False,  # no proxy in front of it: X-Forwarded-* would be parsed for nothing
         timeout_keep_alive=gateway.keep_alive_seconds,
         http=bounded_protocol(gateway.max_connections, gateway.header_timeout_seconds),
         backlog=4096,
