@@ -83,6 +83,7 @@ class _Connection(asyncio.Protocol):
         self.received = False  # any byte of an answer arrived
         self.complete = False
         self.framed = False  # the answer says where it ends (content-length or chunked)
+        self.keep_alive = False  # the connection may carry another call after this answer
         self.error: UpstreamIOError | None = None
 
     # -- asyncio.Protocol -------------------------------------------------------------------
@@ -117,6 +118,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
+        self.keep_alive = self._parser.should_keep_alive()  # (the parser forgets it at the end)
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
@@ -166,7 +168,7 @@ class _Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self.complete and self.error is None and not self.closed and self._parser.should_keep_alive():
+        if self.complete and self.error is None and not self.closed and self.keep_alive:
             self._pool.put_back(self)
         else:
             self.abort()
