@@ -9,6 +9,7 @@ next attempt, nor keep writing into its own.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import secrets
@@ -23,6 +24,7 @@ def new_admin_key() -> str:
     return "ak-" + secrets.token_urlsafe(24)
 
 
+@functools.lru_cache(maxsize=8192)  # checked on every agent call: one HMAC per attempt, not per call
 def scoped_key(admin_key: str, rollout_id: str, attempt_id: str) -> str:
     """The key an agent running `attempt_id` of `rollout_id` gets (`AGL_KEY`)."""
     message = f"{len(rollout_id)}:{rollout_id}:{attempt_id}"  # length-prefixed: no two pairs collide
