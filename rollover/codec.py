@@ -30,26 +30,33 @@ def loads(data: bytes | bytearray | memoryview | str, max_depth: int | None = No
         if reason.startswith("depth limit exceeded"):  # orjson's own limit, 1024
             reason = f"nested deeper than {max_depth or 1024} levels"
         raise JSONCodecError(reason) from None
-    if max_depth is not None and _deeper_than(value, data, max_depth):
+    if max_depth is not None and _deeper_than(data, max_depth):
         raise JSONCodecError(f"nested deeper than {max_depth} levels")
     return value
 
 
-def _deeper_than(value: Any, raw: bytes | bytearray | memoryview | str, limit: int) -> bool:
-    # A body with fewer brackets than the limit cannot be deeper (a C-speed count: the usual
-    # case on the proxy's path); otherwise walk the containers, without recursion.
+_NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
+
+
+def _deeper_than(raw: bytes | bytearray | memoryview | str, limit: int) -> bool:
+    """Whether valid JSON `raw` nests deeper than `limit`, at C speed (bytes methods, no
+    Python loop over the value): its brackets outside strings, emptied of their innermost
+    pairs one level at a time."""
     text = raw.encode() if isinstance(raw, str) else bytes(raw)
-    if text.count(b"[") + text.count(b"{") <= limit:
+    if text.count(b"[") + text.count(b"{") <= limit:  # cannot be deeper: the usual case
         return False
-    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, (dict, list)) else []
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        for child in node.values() if isinstance(node, dict) else node:
-            if isinstance(child, (dict, list)):
-                stack.append((child, depth + 1))
-    return False
+    # Outside strings: escapes dropped (a backslash only ever starts one, read left to right),
+    # then every other piece between quotes.
+    unescaped = text.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = b"".join(unescaped.split(b'"')[::2]).translate(None, _NOT_BRACKET)
+    for _ in range(limit):
+        brackets = brackets.replace(b"x", b"")
+        if not brackets:
+            return False
+        # One level: the empty pairs become "x", which keeps a pair around them from
+        # looking empty until the next round.
+        brackets = brackets.replace(b"[]", b"x").replace(b"{}", b"x")
+    return bool(brackets.replace(b"x", b""))
 
 
 def loads_lenient(data: bytes | str) -> Any:
