@@ -16,16 +16,18 @@ read while the gateway runs.
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import threading
 import time
 import urllib.parse
-import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+import orjson
 
 from rollover import codec
 from rollover.store.errors import AttemptNotFound, IllegalTransition, InvalidValue, RolloutNotFound, StoreError
@@ -50,7 +52,14 @@ from rollover.store.models import (
     Triplet,
     TripletBundle,
 )
-from rollover.store.rows import attempts_of, new_rollout, reward_value, rollout_from_row, terminal_rollout_from_row
+from rollover.store.rows import (
+    attempts_of,
+    new_rollout,
+    new_rollout_json,
+    reward_value,
+    rollout_from_row,
+    terminal_rollout_from_row,
+)
 
 T = TypeVar("T")
 
@@ -69,6 +78,9 @@ class RolloutSnapshot:
     state: RolloutState
     attempts: tuple[str, ...] = ()  # attempt ids, oldest first
     last_attempt_id: str | None = None
+
+
+_QUEUED = RolloutSnapshot(RolloutState.QUEUING)  # every new rollout's (immutable: shared)
 
 
 def _encode(value: Any, what: str) -> str:
@@ -248,12 +260,39 @@ class RolloutStore:
     # -- rollouts -------------------------------------------------------------------------
 
     async def add_rollouts(self, items: Iterable[RolloutCreate]) -> list[Rollout]:
+        def built(
+            conn: sqlite3.Connection, rollout_id: str, item: RolloutCreate | None, config: str, now: float
+        ) -> Rollout:
+            return self._load(conn, rollout_id) if item is None else new_rollout(rollout_id, item, now)
+
+        return await self._add_rollouts(items, built)
+
+    async def add_rollouts_json(self, items: Iterable[RolloutCreate]) -> bytes:
+        """`add_rollouts`, answered as the JSON list of the rollouts (the POST's body), written
+        without a model per new rollout."""
+
+        def built(
+            conn: sqlite3.Connection, rollout_id: str, item: RolloutCreate | None, config: str, now: float
+        ) -> Any:
+            if item is None:
+                return orjson.Fragment(self._load(conn, rollout_id).model_dump_json())
+            return new_rollout_json(rollout_id, item, config, now)
+
+        return codec.dumps(await self._add_rollouts(items, built))
+
+    async def _add_rollouts(
+        self,
+        items: Iterable[RolloutCreate],
+        built: Callable[[sqlite3.Connection, str, RolloutCreate | None, str, float], T],
+    ) -> list[T]:
+        """Inserts the new rollouts; each item's rollout as `built` makes it (with None for a
+        rollout that was there already), in the order of `items`."""
         now = time.time()
         prepared = []
         for item in items:
             config = item.config.model_dump_json() if item.config.model_fields_set else _DEFAULT_CONFIG_JSON
             row = (
-                item.rollout_id or f"r-{uuid.uuid4().hex}",
+                item.rollout_id or f"r-{os.urandom(16).hex()}",  # as random as uuid4, 5x cheaper
                 _encode(item.input, "input"),
                 int(item.is_train),
                 config,
@@ -264,23 +303,22 @@ class RolloutStore:
             )
             prepared.append((item, row))
 
-        def add(conn: sqlite3.Connection) -> list[Rollout]:
-            created: dict[str, Rollout] = {}
+        def add(conn: sqlite3.Connection) -> list[T]:
+            created: dict[str, T] = {}
             rows = []
             for item, row in prepared:
                 rollout_id = row[0]
                 # A caller-chosen id makes the POST idempotent: an existing rollout is kept as is.
                 if rollout_id not in created:
                     if rollout_id in self._snapshots:
-                        created[rollout_id] = self._load(conn, rollout_id)
+                        created[rollout_id] = built(conn, rollout_id, None, row[3], now)
                     else:
                         rows.append(row)
-                        created[rollout_id] = new_rollout(rollout_id, item, now)
+                        created[rollout_id] = built(conn, rollout_id, item, row[3], now)
             conn.executemany(_INSERT_ROLLOUT, rows)
-            result = [created[row[0]] for _, row in prepared]
-            for rollout_id, rollout in created.items():
-                self._snapshots.setdefault(rollout_id, RolloutSnapshot(rollout.state))
-            return result
+            for row in rows:
+                self._snapshots[row[0]] = _QUEUED
+            return [created[row[0]] for _, row in prepared]
 
         return await self._write(add)
 

@@ -1,4 +1,5 @@
 import asyncio
+import json
 import sqlite3
 
 import pytest
@@ -210,5 +211,27 @@ def test_values_that_are_not_standard_json_are_refused_before_storing(store):
                 await store.add_rollouts([RolloutCreate(input=bad)])
             assert refused.value.status_code == 422
         assert await store.list_rollouts() == []
+
+    run(scenario())
+
+
+def test_the_batch_posts_json_is_what_the_models_would_write(store):
+    """`add_rollouts_json` writes each new rollout without its model: byte for byte what
+    `Rollout.model_dump_json` writes for it as read back, and a rollout already there as it is."""
+    items = [
+        RolloutCreate(input={"q": "é", "n": [1, 2.5, None]}, metadata={"data_id": "d", "deep": {"x": [True]}}),
+        RolloutCreate(input="text", is_train=False),
+        RolloutCreate(input=None, config={"timeout_seconds": 3, "local": {"env_map": {"A": "1"}}}),
+        RolloutCreate(rollout_id="mine", input=[1], config={"k8s": {"job_template": "t.yaml"}}),
+    ]
+
+    async def scenario():
+        await store.add_rollouts([RolloutCreate(rollout_id="there", input=0)])
+        raw = await store.add_rollouts_json([*items, RolloutCreate(rollout_id="there", input=9)])
+        written = json.loads(raw)
+        assert len(written) == 5 and written[3]["rollout_id"] == "mine" and written[4]["input"] == 0
+        for rollout in written:
+            stored = await store.get_rollout(rollout["rollout_id"])
+            assert json.dumps(rollout, separators=(",", ":"), ensure_ascii=False) == stored.model_dump_json()
 
     run(scenario())
