@@ -100,11 +100,14 @@ def new_rollout(rollout_id: str, item: RolloutCreate, now: float) -> Rollout:
     )
 
 
+_QUEUING = RolloutState.QUEUING.value
+
+
 def new_rollout_json(rollout_id: str, item: RolloutCreate, config_json: str, now: float) -> dict[str, Any]:
     """`new_rollout` as `Rollout.model_dump_json` writes it, ready for orjson, without building
     the models (for a batch POST: 3x cheaper, measured); `config_json` is the config written."""
     times = {"created_at": now, "updated_at": now}
-    status = {"state": RolloutState.QUEUING.value, "k8s_job_name": None, "last_attempt_id": None}
+    status = {"state": _QUEUING, "k8s_job_name": None, "last_attempt_id": None}
     return {
         "rollout_id": rollout_id,
         "input": item.input,

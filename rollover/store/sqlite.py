@@ -287,7 +287,7 @@ class RolloutStore:
     ) -> list[T]:
         """Inserts the new rollouts; each item's rollout as `built` makes it (with None for a
         rollout that was there already), in the order of `items`."""
-        now = time.time()
+        now, queuing = time.time(), RolloutState.QUEUING.value
         prepared = []
         for item in items:
             config = item.config.model_dump_json() if item.config.model_fields_set else _DEFAULT_CONFIG_JSON
@@ -297,7 +297,7 @@ class RolloutStore:
                 int(item.is_train),
                 config,
                 _encode(item.metadata, "metadata"),
-                RolloutState.QUEUING.value,
+                queuing,
                 now,
                 now,
             )
