@@ -405,7 +405,11 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
                 f"{body.event_type!r} events are written only by the gateway's proxy: make the model call"
                 " through /proxy/rollout/.../openai/v1 and post events of your own types",
             )
-        return _json((await store.add_event(rollout_id, attempt_id, body)).model_dump_json(), 201)
+        event_id, created_at = await store.record_event(rollout_id, attempt_id, body.event_type, body.data)
+        # As Event.model_dump_json writes it (tested), without building the model.
+        event = {"event_id": event_id, "rollout_id": rollout_id, "attempt_id": attempt_id}
+        event |= {"event_type": body.event_type, "data": body.data, "created_at": created_at, "timestamp": created_at}
+        return _json(codec.dumps(event), 201)
 
     @app.get("/api/rollouts/{rollout_id}/events", dependencies=rollout_reader)
     async def list_events(

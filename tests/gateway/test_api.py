@@ -4,6 +4,7 @@ import httpx
 import pytest
 
 from rollover.gateway.auth import scoped_key
+from rollover.store.models import Event, Rollout
 from tests.conftest import ADMIN_KEY
 
 
@@ -183,3 +184,20 @@ def test_terminal_rollouts_page_in_the_order_they_finished(admin, gateway):
     assert admin.get("/api/rollouts/terminal", params={"after": -1}).status_code == 422
     agent = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, ids[1], 'a1')}"}
     assert httpx.get(f"{gateway.url}/api/rollouts/terminal", headers=agent).status_code == 403
+
+
+def test_posted_events_and_batches_are_answered_as_the_models_write_them(admin):
+    """The POSTs written without their models (events, rollout batches) answer what the
+    models would, field for field, in the same order."""
+    [first, second] = admin.post(
+        "/api/rollouts", json=[{"input": {"q": "é"}}, {"input": [1], "is_train": False, "config": {"k8s": {}}}]
+    ).json()
+    for rollout in (first, second):
+        assert list(rollout.items()) == list(Rollout.model_validate(rollout).model_dump(mode="json").items())
+    claim(admin, first["rollout_id"])
+    url = f"/api/rollouts/{first['rollout_id']}/attempt/a1/events"
+    posted = admin.post(url, json={"event_type": "reward", "data": {"value": 0.5}})
+    assert posted.status_code == 201
+    event = posted.json()
+    assert list(event.items()) == list(Event.model_validate(event).model_dump(mode="json").items())
+    assert admin.get(f"/api/rollouts/{first['rollout_id']}/events").json() == [event]
