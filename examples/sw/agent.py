@@ -50,6 +50,15 @@ class Settings:
         )
 
 
+# Kept in every window: the system prompt, the worked example, and the task with the first observation.
+KEEP = 2 + len(DEMONSTRATION)
+
+
+def opening() -> list[dict[str, str]]:
+    """What every conversation starts with: the system prompt and the worked example."""
+    return [{"role": "system", "content": SYSTEM_PROMPT}, *DEMONSTRATION]
+
+
 def window(messages: list[dict[str, str]], budget: int, keep: int = 2) -> list[dict[str, str]]:
     """The first `keep` messages (system prompt, ..., the task) and as many of the latest
     (assistant, user) pairs as fit in `budget` characters; the last pair is always kept."""
@@ -84,12 +93,11 @@ class SWAgent:
         settings = Settings.from_env()
         world = ScienceWorld(step_limit=settings.max_steps + 1)
         try:
-            messages = [{"role": "system", "content": SYSTEM_PROMPT}, *DEMONSTRATION]
-            keep = len(messages) + 1  # and the task with the first observation
+            messages = opening()
 
             def choose(observation: str) -> str | None:
                 messages.append({"role": "user", "content": observation})
-                text = ask(client, window(messages, settings.prompt_chars, keep), settings.max_tokens)
+                text = ask(client, window(messages, settings.prompt_chars, KEEP), settings.max_tokens)
                 if text is None:
                     return None
                 messages.append({"role": "assistant", "content": text})

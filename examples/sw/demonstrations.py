@@ -22,10 +22,8 @@ import random
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from examples.sw.agent import Settings, window
+from examples.sw.agent import KEEP, Settings, opening, window
 from examples.sw.task import (
-    DEMONSTRATION,
-    SYSTEM_PROMPT,
     ScienceWorld,
     action_reply,
     parse_action,
@@ -41,8 +39,7 @@ def transcript(world: ScienceWorld, task: dict[str, Any], prose: bool, settings:
     """(the agent's conversation, the final score) of one replayed short solution."""
     gold = world.solution(task["task_name"], int(task["variation"]))
     actions = list(reversed(short_solution(gold, world.env.get_task_description())))
-    messages: list[Message] = [{"role": "system", "content": SYSTEM_PROMPT}, *DEMONSTRATION]
-    keep = len(messages) + 1
+    messages: list[Message] = opening()
 
     def choose(observation: str) -> str | None:
         messages.append({"role": "user", "content": observation})
@@ -56,7 +53,7 @@ def transcript(world: ScienceWorld, task: dict[str, Any], prose: bool, settings:
     episode = play(world, task, choose, settings.max_steps, settings.obs_chars)
     while messages[-1]["role"] != "assistant":
         messages.pop()
-    return window(messages, settings.prompt_chars, keep), episode.score
+    return window(messages, settings.prompt_chars, KEEP), episode.score
 
 
 def _transcripts_of(jobs: list[tuple[dict[str, Any], bool]]) -> list[tuple[list[Message], int]]:
@@ -77,6 +74,5 @@ def transcripts(
         played = list(pool.map(_transcripts_of, shares))
     ordered: list[tuple[list[Message], int]] = [([], 0)] * len(jobs)
     for i, share in enumerate(played):
-        for j, item in enumerate(share):
-            ordered[i + j * processes] = item
+        ordered[i::processes] = share
     return ordered
