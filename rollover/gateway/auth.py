@@ -18,6 +18,9 @@ from collections.abc import Iterable
 from fastapi import Request
 
 SCOPED_PREFIX = "rk-"
+# Ids the store accepts are at most this long; a longer one in a URL names no attempt, and is
+# refused before it reaches the key cache (which would otherwise keep whatever a caller sends).
+MAX_ID_LENGTH = 200
 
 
 def new_admin_key() -> str:
@@ -48,6 +51,8 @@ def is_admin(admin_key: str, key: str | None) -> bool:
 def is_attempt_key(admin_key: str, key: str | None, rollout_id: str, attempt_id: str) -> bool:
     """Whether `key` is the scoped key of exactly this attempt."""
     if key is None or not key.startswith(SCOPED_PREFIX):
+        return False
+    if len(rollout_id) > MAX_ID_LENGTH or len(attempt_id) > MAX_ID_LENGTH:
         return False
     return hmac.compare_digest(key.encode(), scoped_key(admin_key, rollout_id, attempt_id).encode())
 

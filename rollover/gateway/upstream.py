@@ -103,8 +103,8 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.forget(self)
-        if self.status and not self.framed and not self.complete and self.error is None:
-            self.complete = True  # an answer that ends with its connection
+        if exc is None and self.status and not self.framed and not self.complete and self.error is None:
+            self.complete = True  # an answer that ends with its connection (a clean close, not a reset)
         elif not self.complete and self.error is None:
             self.error = Disconnected(f"the engine closed the connection{f': {exc!r}' if exc else ''}")
         self._wake()

@@ -201,3 +201,14 @@ def test_posted_events_and_batches_are_answered_as_the_models_write_them(admin):
     event = posted.json()
     assert list(event.items()) == list(Event.model_validate(event).model_dump(mode="json").items())
     assert admin.get(f"/api/rollouts/{first['rollout_id']}/events").json() == [event]
+
+
+def test_a_guessed_key_on_an_overlong_id_is_refused_and_not_remembered(gateway, admin):
+    """An id longer than any the store accepts names no attempt: 403, and the key cache (one
+    HMAC per attempt) does not keep what a caller without a key sent."""
+    before = scoped_key.cache_info().currsize
+    agent = httpx.Client(base_url=gateway.url, headers={"x-api-key": "rk-guess"})
+    for n in range(5):
+        answer = agent.post(f"/api/rollouts/{'r' * 5000}{n}/attempt/a1/events", json={"event_type": "x", "data": {}})
+        assert answer.status_code == 403 and answer.json()["error"]
+    assert scoped_key.cache_info().currsize == before

@@ -5,6 +5,8 @@ fail is told apart (the proxy answers the agent differently for each)."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -199,4 +201,21 @@ async def test_an_engine_that_never_answers_times_out(serve):
     pool = UpstreamPool(timeout_seconds=0.3)
     with pytest.raises(UpstreamTimeout):
         await pool.post(url, b"{}")
+    pool.close()
+
+
+async def test_an_answer_without_a_length_cut_off_by_a_reset_is_an_error(serve):
+    async def reset(connection: int, call: int, body: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\npartial")
+        await writer.drain()
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+        writer.transport.abort()
+        return False
+
+    _, url = await serve(reset)
+    pool = UpstreamPool(timeout_seconds=30)
+    with pytest.raises(Disconnected):
+        response = await pool.post(url, b"{}")
+        await response.read()
     pool.close()
