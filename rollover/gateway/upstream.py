@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import ssl
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import cast
@@ -21,6 +22,11 @@ from urllib.parse import urlsplit
 import httptools
 
 CONNECT_TIMEOUT_SECONDS = 10.0
+# A kept connection unused this long is not reused: on the way to a remote engine it may have
+# been dropped without a word (a NAT's idle timeout, a pod gone), and a call sent on it would
+# wait out the whole upstream timeout. An engine that closes idle connections itself (vLLM
+# after 5 s) is noticed at once either way.
+IDLE_SECONDS = 30.0
 
 
 class UpstreamIOError(Exception):
@@ -75,6 +81,7 @@ class _Connection(asyncio.Protocol):
         self._sent = False
         self._busy = False  # a call is on it
         self.reused = False  # carried a call before this one (the engine may have closed it as idle)
+        self.idle_since = 0.0  # when it last went back to the pool
         self._reset()
 
     def _reset(self) -> None:
@@ -218,8 +225,9 @@ class UpstreamPool:
     """Idle keep-alive connections per (scheme, host, port), reused newest first (the oldest are
     the likeliest to be closed by the engine as idle); as many are opened as calls overlap."""
 
-    def __init__(self, timeout_seconds: float) -> None:
+    def __init__(self, timeout_seconds: float, idle_seconds: float = IDLE_SECONDS) -> None:
         self.timeout_seconds = timeout_seconds
+        self.idle_seconds = idle_seconds
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._ssl: ssl.SSLContext | None = None
 
@@ -249,7 +257,11 @@ class UpstreamPool:
         idle = self._idle.get(key)
         while idle:
             connection = idle.pop()
-            if not connection.closed:
+            if time.monotonic() - connection.idle_since >= self.idle_seconds:
+                stale, idle[:] = [connection, *idle], []  # the newest is too old: so are the rest
+                for old in stale:
+                    old.abort()
+            elif not connection.closed:
                 return connection
         connection = _Connection(self, key)
         loop = asyncio.get_running_loop()
@@ -273,6 +285,7 @@ class UpstreamPool:
         return self._ssl
 
     def put_back(self, connection: _Connection) -> None:
+        connection.idle_since = time.monotonic()
         self._idle.setdefault(connection.key, []).append(connection)
 
     def forget(self, connection: _Connection) -> None:

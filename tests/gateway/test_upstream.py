@@ -219,3 +219,14 @@ async def test_an_answer_without_a_length_cut_off_by_a_reset_is_an_error(serve):
         response = await pool.post(url, b"{}")
         await response.read()
     pool.close()
+
+
+async def test_a_connection_idle_too_long_is_not_reused(serve):
+    server, url = await serve(_ok)
+    pool = UpstreamPool(timeout_seconds=30, idle_seconds=0)  # every kept connection is too old
+    for _ in range(3):
+        response = await pool.post(url, b"{}")
+        assert await response.read() == b'{"ok":true}'
+        response.release()
+    assert server.connections == 3 and server.calls == 3
+    pool.close()
