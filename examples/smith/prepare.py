@@ -12,7 +12,7 @@ from typing import Any
 
 from examples.smith.agent import SYSTEM_PROMPT
 from examples.smith.demos import demonstration
-from examples.smith.task import TEMPLATES, make_tasks
+from examples.smith.task import TEMPLATES, RepoTemplate, make_tasks
 from rollover.config import RolloverConfig
 from rollover.training.data import write_tasks
 
@@ -60,12 +60,12 @@ def warmup_transcripts(train: list[dict[str, Any]], per_task: int = DEMOS_PER_TA
     ]
 
 
-def tokenizer_corpus() -> list[str]:
-    """The protocol and every template's code, raw and as a JSON string, so both tokenize compactly."""
+def tokenizer_corpus(templates: tuple[RepoTemplate, ...] = TEMPLATES) -> list[str]:
+    """The protocol and the templates' code, raw and as a JSON string, so both tokenize compactly."""
     from examples.smith.demos import fenced_call, tool_call
 
     corpus = [SYSTEM_PROMPT]
-    for template in TEMPLATES:
+    for template in templates:
         for path, content in template.files.items():
             corpus += [
                 content,
@@ -75,7 +75,11 @@ def tokenizer_corpus() -> list[str]:
     return corpus
 
 
-def tiny_smith_model(out: Path, train_path: Path) -> Path:
+def tiny_smith_model(
+    out: Path, train_path: Path, steps: int = WARMUP_STEPS, templates: tuple[RepoTemplate, ...] = TEMPLATES
+) -> Path:
+    """The tiny model, its tokenizer made for `templates`, warmed up for `steps` on
+    demonstrations of the bugs in `train_path`; built once into `out`."""
     if (out / "config.json").exists():
         return out
     from rollover.jsonl import jsonl_values
@@ -84,14 +88,14 @@ def tiny_smith_model(out: Path, train_path: Path) -> Path:
 
     base = out.with_name(f"tiny{MODEL['hidden_size']}x{MODEL['num_layers']}-base")
     if not (base / "config.json").exists():
-        build_tiny_model(base, corpus=tokenizer_corpus(), seed=0, **MODEL)
+        build_tiny_model(base, corpus=tokenizer_corpus(templates), seed=0, **MODEL)
     train = [row for _, row in jsonl_values(train_path)]
     staging = out.with_name(f"{out.name}.partial-{os.getpid()}")
     metrics = sft_warmup(
         base,
         warmup_transcripts(train),
         staging,
-        steps=WARMUP_STEPS,
+        steps=steps,
         lr=3e-3,
         batch_size=8,
         seed=0,
@@ -99,7 +103,7 @@ def tiny_smith_model(out: Path, train_path: Path) -> Path:
         num_threads=int(os.environ.get("ROLLOVER_SMITH_WARMUP_THREADS", "2")),
     )
     print(
-        f"smith warm-up: {WARMUP_STEPS} steps in {metrics['seconds']:.0f} s, loss "
+        f"smith warm-up: {steps} steps in {metrics['seconds']:.0f} s, loss "
         f"{metrics['initial_loss']:.3f} -> {metrics['final_loss']:.3f}",
         flush=True,
     )
