@@ -45,11 +45,13 @@ def prepare(config: RolloverConfig) -> RolloverConfig:
     return config
 
 
-def split_tasks() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train, held-out): every bug the templates yield, shuffled; the first VAL_SIZE held out."""
-    tasks = make_tasks(MAX_TASKS, seed=SEED)
+def split_tasks(
+    templates: tuple[RepoTemplate, ...] = TEMPLATES, val_size: int = VAL_SIZE
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train, held-out): every bug the templates yield, shuffled; the first `val_size` held out."""
+    tasks = make_tasks(MAX_TASKS, seed=SEED, templates=templates)
     random.Random(SEED).shuffle(tasks)
-    return tasks[VAL_SIZE:], tasks[:VAL_SIZE]
+    return tasks[val_size:], tasks[:val_size]
 
 
 def warmup_transcripts(train: list[dict[str, Any]], per_task: int = DEMOS_PER_TASK) -> list[list[dict[str, str]]]:
@@ -86,7 +88,9 @@ def tiny_smith_model(
     from rollover.modelzoo.tiny import build_tiny_model
     from rollover.modelzoo.warmup import sft_warmup
 
-    base = out.with_name(f"tiny{MODEL['hidden_size']}x{MODEL['num_layers']}-base")
+    # the base's tokenizer is made for `templates`, so a base built for others is not reused
+    only = "" if templates == TEMPLATES else "-" + "-".join(t.name for t in templates)
+    base = out.with_name(f"tiny{MODEL['hidden_size']}x{MODEL['num_layers']}{only}-base")
     if not (base / "config.json").exists():
         build_tiny_model(base, corpus=tokenizer_corpus(templates), seed=0, **MODEL)
     train = [row for _, row in jsonl_values(train_path)]

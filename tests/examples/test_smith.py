@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import threading
@@ -509,13 +508,11 @@ def test_smith_learns_the_protocol_on_the_tiny_model(tmp_path):
     0.94. At the example's temperature 1.0 (300 steps, 8 updates) 0.47 -> 0.47: fenced replies
     fell from 14 to 3 of 32, but code this long sampled at 1.0 broke as often as the protocol
     was fixed; at lr 3e-4 the policy collapsed (training reward 0.38 -> 0.0 in 4 updates)."""
-    from examples.smith.prepare import tiny_smith_model
+    from examples.smith.prepare import split_tasks, tiny_smith_model
     from rollover.testing.engine import start_test_engine
 
     templates = tuple(t for t in TEMPLATES if t.name in {"stats", "intervals"})
-    bugs = make_tasks(1000, seed=0, templates=templates)
-    random.Random(0).shuffle(bugs)
-    val, train = bugs[:32], bugs[32:]
+    train, val = split_tasks(templates, val_size=32)
     assert len(train) >= 20 and {t["repo"] for t in val} == {t["repo"] for t in train} == {"stats", "intervals"}
     write_tasks(tmp_path / "train.jsonl", train)
     write_tasks(tmp_path / "val.jsonl", val)
