@@ -236,6 +236,9 @@ class LocalRunnerConfig(_Section):
         default=None, description='"pkg.module:Class" (or Agent Lightning\'s "pkg.module.Class") with a run() method'
     )
     env_map: dict[str, str] = Field(default={}, description="ENV_NAME: input.path")
+    env: dict[str, str] = Field(
+        default={}, description="ENV_NAME: value set for every agent process, on top of the trainer's environment"
+    )
     max_concurrency: int = Field(default=64, gt=0, description="agent processes running at once")
     start_method: Literal["forkserver", "spawn"] = Field(
         default="forkserver",
@@ -245,6 +248,14 @@ class LocalRunnerConfig(_Section):
         default=[],
         description="modules the fork server imports once for every agent (e.g. your agent's, if importing it starts no threads)",
     )
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not name or "=" in name or "\0" in name:
+                raise ValueError(f"{name!r} is not an environment variable name")
+        return value
 
     @field_validator("agent_class")
     @classmethod

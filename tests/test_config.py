@@ -239,3 +239,11 @@ def test_agl_base_url_must_be_a_plain_http_url(url):
 def test_rollout_level_advantage_cannot_be_switched_off():
     with pytest.raises(ConfigError, match=r"algorithm\.enable_rollout_level_advantage"):
         load_config(None, ["algorithm.enable_rollout_level_advantage=false"])
+
+
+def test_agent_env_names_are_checked(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text('agentlightning:\n  local:\n    env:\n      "A=B": "1"\n')
+    with pytest.raises(ConfigError, match=r"agentlightning\.local\.env.*not an environment variable name"):
+        load_config(path)
+    assert load_config(None, ["agentlightning.local.env.MODE=fast"]).agentlightning.local.env == {"MODE": "fast"}

@@ -5,8 +5,9 @@ Each turn the policy sees the system prompt (the protocol and a short list of ac
 templates), a two-turn worked example, the task with the first observation, and the latest
 turns, windowed to a character budget so the conversation never outgrows the model's context.
 The episode ends when the task is done or failed, at the step cap, or when the gateway refuses
-a call (HTTP 400, e.g. a prompt too long). Reward: final score / 100. The simulator's JVM is
-always stopped, also when the agent fails.
+a call (HTTP 400, e.g. a prompt too long). Reward: final score / 100. The simulator is one of
+the run's pooled JVMs, leased for the episode (`jvm_pool`), or a JVM of the agent's own when
+the run has no pool; either way it is released, also when the agent fails.
 
 Settings (environment, read when the agent starts):
   ROLLOVER_SW_MAX_STEPS     actions per episode (default 8)
@@ -23,7 +24,8 @@ from typing import Any
 
 import openai
 
-from examples.sw.task import DEMONSTRATION, SYSTEM_PROMPT, ScienceWorld, parse_action, play
+from examples.sw.jvm_pool import world_for_episode
+from examples.sw.task import DEMONSTRATION, SYSTEM_PROMPT, parse_action, play
 from rollover.agent import AgentContext
 
 # While the trainer updates the policy the gateway answers 429 (Retry-After: 5 s), and the
@@ -91,8 +93,7 @@ class SWAgent:
         ctx = AgentContext.from_env()
         client = ctx.openai()
         settings = Settings.from_env()
-        world = ScienceWorld(step_limit=settings.max_steps + 1)
-        try:
+        with world_for_episode(step_limit=settings.max_steps + 1) as world:
             messages = opening()
 
             def choose(observation: str) -> str | None:
@@ -104,8 +105,6 @@ class SWAgent:
                 return parse_action(text)
 
             episode = play(world, task, choose, settings.max_steps, settings.obs_chars)
-        finally:
-            world.close()
         print(
             f"task {task.get('id')}: {episode.steps} steps, score {episode.score}, actions {episode.actions}",
             flush=True,

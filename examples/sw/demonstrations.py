@@ -24,6 +24,7 @@ from typing import Any
 
 from examples.sw.agent import KEEP, Settings, opening, window
 from examples.sw.task import (
+    REUSED_JVM_OPTIONS,
     ScienceWorld,
     action_reply,
     parse_action,
@@ -58,7 +59,7 @@ def transcript(world: ScienceWorld, task: dict[str, Any], prose: bool, settings:
 
 def _transcripts_of(jobs: list[tuple[dict[str, Any], bool]]) -> list[tuple[list[Message], int]]:
     settings = Settings.from_env()
-    with ScienceWorld(step_limit=settings.max_steps + 1) as world:
+    with ScienceWorld(step_limit=settings.max_steps + 1, jvm_options=REUSED_JVM_OPTIONS) as world:
         return [transcript(world, task, prose, settings) for task, prose in jobs]
 
 

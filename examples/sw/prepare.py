@@ -1,16 +1,21 @@
 """`trainer.setup_hook` of the ScienceWorld example: task files split by variation (the
 simulator's own train and dev variations), and, when no model is given, a tiny model built and
 warmed up on demonstrations played from other train variations' gold paths. Everything is
-cached under `runs/_cache/sw`, so a second run starts at RL."""
+cached under `runs/_cache/sw`, so a second run starts at RL. For local agents it also starts
+the run's pool of ScienceWorld JVMs (`jvm_pool`; one per agent slot, or ROLLOVER_SW_JVMS, 0 for
+none), which lives as long as this process."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from examples.sw.demonstrations import Message, transcripts
+from examples.sw.jvm_pool import POOL_ENV, JVMPool
 from examples.sw.task import TASK_NAMES, ScienceWorld, make_tasks
 from rollover.config import RolloverConfig
 from rollover.jsonl import jsonl_values
@@ -18,7 +23,7 @@ from rollover.training.data import write_tasks
 
 # Per quest: RL tasks from the first TRAIN_PER_TASK train variations, demonstrations from the
 # next DEMOS_PER_TASK (no task is both), held-out tasks from the dev variations.
-TRAIN_PER_TASK, DEMOS_PER_TASK, VAL_PER_TASK = 100, 50, 32
+TRAIN_PER_TASK, DEMOS_PER_TASK, VAL_PER_TASK = 100, 50, 25
 # Share of demonstrations that say each action in prose ("I will ...") instead of the
 # `ACTION:` line: the plan is the same, but the agent reads no action in it and the task is
 # never done. The warmed-up policy knows the plans and is unsure of the protocol.
@@ -41,7 +46,25 @@ def prepare(config: RolloverConfig) -> RolloverConfig:
     model = config.actor_rollout_ref.model
     if model.path is None:
         model.path = str(tiny_sw_model(cache / MODEL_NAME, demonstrations(cache)))
+    local = config.agentlightning.local
+    size = int(os.environ.get("ROLLOVER_SW_JVMS", local.max_concurrency))
+    if config.agentlightning.runner == "local" and size > 0 and POOL_ENV not in local.env:
+        pool = JVMPool(Path(tempfile.mkdtemp(prefix="rollover-sw-jvms-")), size).start()
+        if not _POOLS:
+            atexit.register(stop_jvm_pools)  # and if this process is killed, the JVMs see their stdin end
+        _POOLS.append(pool)
+        local.env[POOL_ENV] = str(pool.folder)
     return config
+
+
+# The JVM pools this process started (one per run it prepared); they live as long as it does.
+_POOLS: list[JVMPool] = []
+
+
+def stop_jvm_pools() -> None:
+    """Stops every JVM pool this process started (at exit; a test that trains in-process calls it)."""
+    while _POOLS:
+        _POOLS.pop().close()
 
 
 def write_task_files(folder: Path) -> dict[str, Path]:

@@ -220,8 +220,10 @@ async def test_env_contract_and_env_map(
     client: GatewayClient, tmp_path: Path, gateway: GatewayThread, controller: Any
 ) -> None:
     env_map = {"QUESTION": "input.question", "META": "input.meta", "FIRST": "input.items.0", "COUNT": "input.n"}
-    extra = list(env_map)
-    async with controller(client, tmp_path, "EnvAgent", local={"env_map": env_map}, max_attempts=3):
+    extra = [*env_map, "RUN_SETTING"]
+    # `env` is for every agent; it cannot replace the contract's own variables
+    local = {"env_map": env_map, "env": {"RUN_SETTING": "on", "AGL_KEY": "forged", "QUESTION": "lost"}}
+    async with controller(client, tmp_path, "EnvAgent", local=local, max_attempts=3):
         input = {"question": "2+2?", "meta": {"a": [1, 2]}, "items": ["x", "y"], "n": 4, "extra": extra}
         train_id = await enqueue(client, "env", input)
         val_id = await enqueue(client, "env-val", input, is_train=False)
@@ -238,6 +240,7 @@ async def test_env_contract_and_env_map(
     assert (env["AGL_ROLLOUT_ID"], env["AGL_ATTEMPT_ID"]) == (train_id, "a1")
     assert json.loads(env["AGL_ROLLOUT_INPUT"]) == input
     assert env["QUESTION"] == "2+2?" and env["FIRST"] == "x" and env["COUNT"] == "4"
+    assert env["RUN_SETTING"] == "on"
     assert json.loads(env["META"]) == {"a": [1, 2]}
     assert env["cwd"] == os.getcwd()
     [val_event] = await client.events(val_id, event_type="env")

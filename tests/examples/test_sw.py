@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from examples.sw.agent import PAUSE_ROUNDS, Settings, ask, window
+from examples.sw.prepare import stop_jvm_pools
 from examples.sw.task import (
     DEMONSTRATION,
     FALLBACK_ACTION,
@@ -303,7 +304,7 @@ def test_config_presets_async_at_twice_the_batch() -> None:
     async_rollout = config.agentlightning.async_rollout
     assert async_rollout.enabled
     assert async_rollout.async_train_batch_size == config.data.train_batch_size * 2
-    assert config.data.val_batch_size == 128  # every held-out task
+    assert config.data.val_batch_size == 100  # every held-out task
     assert config.agentlightning.local.agent_class == "examples.sw.agent:SWAgent"
 
 
@@ -315,6 +316,7 @@ def test_two_training_steps_through_the_real_system(tmp_path: Path, calc_model: 
         "ROLLOVER_SW_MAX_TOKENS": "16",
         "ROLLOVER_SW_OBS_CHARS": "80",
         "ROLLOVER_SW_PROMPT_CHARS": "750",  # at most ~430 of the tiny tokenizer's tokens
+        "ROLLOVER_SW_JVMS": "2",  # the run's JVM pool
     }.items():
         monkeypatch.setenv(name, value)
     marker = f"ROLLOVER_SW_TEST_RUN={uuid.uuid4().hex}"  # inherited by the agents and their JVMs
@@ -344,4 +346,8 @@ def test_two_training_steps_through_the_real_system(tmp_path: Path, calc_model: 
     steps = [int(n) for n in re.findall(r": (\d+) steps, score", logs)]
     assert steps and max(steps) >= 2, logs[-2000:]
     assert "policy call refused" not in logs
-    assert not live_processes(marker), "ScienceWorld JVMs of this run are still running"
+    assert "does not answer" not in logs  # every episode was played in the pool's JVMs
+    pooled = live_processes(marker)
+    assert len(pooled) == 2, "the agents' JVMs should be the pool's two, alive until it stops"
+    stop_jvm_pools()
+    assert not live_processes(marker) & pooled, "ScienceWorld JVMs of this run are still running"
