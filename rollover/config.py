@@ -408,6 +408,11 @@ class TrainerConfig(_Section):
     )
     save_freq: int = Field(default=0, ge=0, description="checkpoint every N steps; 0 = only at the end")
     test_freq: int = Field(default=0, ge=0, description="held-out evaluation every N steps; 0 = before and after only")
+    max_failed_steps: int = Field(
+        default=3,
+        ge=0,
+        description="the run stops after this many steps in a row whose every rollout failed; 0 = never",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto | cpu | cuda")
     nnodes: int = Field(default=1, ge=1, description="nodes of the run (torchrun --nnodes)")
     n_gpus_per_node: int = Field(

@@ -89,13 +89,14 @@ def run_training_reporting_errors(config: RolloverConfig, world: World) -> int:
 
     from rollover.engine.vllm_engine import EngineError
     from rollover.gateway.server import GatewayDied
+    from rollover.training.trainer import DrainTimeout, RolloutsFailing
 
     try:
         return run_training(config, world=world)
     except EngineError as exc:
         print(f"rollover train: the inference engine failed: {exc}", file=sys.stderr)
         return 1
-    except GatewayDied as exc:
+    except (GatewayDied, RolloutsFailing, DrainTimeout) as exc:
         print(f"rollover train: {exc}", file=sys.stderr)
         return 1
     except httpx.TransportError as exc:

@@ -41,6 +41,12 @@ class DrainTimeout(RuntimeError):
     """The gateway did not drain in `gateway.drain_timeout_seconds`."""
 
 
+class RolloutsFailing(RuntimeError):
+    """Every rollout of `trainer.max_failed_steps` steps in a row failed: the agents, not
+    chance, are broken (a bad agent class, a missing dependency), and more steps would only
+    spend time on updates that never come."""
+
+
 class WeightSync(Protocol):
     """Moves the trainer's weights into the inference engine (collocated on one device)."""
 
@@ -90,6 +96,7 @@ class Trainer:
         self.loader = PromptLoader(self.train_tasks, seed=self.config.data.seed)
         self.rng = random.Random(self.config.trainer.seed)
         self._carry_over_rollouts: list[TrackedRollout] = []
+        self._failed_steps = 0  # steps in a row whose every completed rollout failed
         self.global_step = 0
         self.policy_version = 0
         self.history: list[dict[str, float]] = []
@@ -285,6 +292,16 @@ class Trainer:
         metrics.update(summarize("timing/rollout_total_s", total))
         return metrics
 
+    def _check_failing(self, completed: list[TrackedRollout]) -> None:
+        failed = [r for r in completed if r.state == RolloutState.FAILED]
+        self._failed_steps = self._failed_steps + 1 if completed and len(failed) == len(completed) else 0
+        limit = self.config.trainer.max_failed_steps
+        if limit and self._failed_steps >= limit:
+            raise RolloutsFailing(
+                f"every rollout of the last {self._failed_steps} steps failed (trainer.max_failed_steps="
+                f"{limit}); the latest error: {failed[-1].error_message or 'none recorded'}"
+            )
+
     async def train_step(self) -> dict[str, float]:
         step = self.global_step
         step_started = self.clock()
@@ -297,6 +314,7 @@ class Trainer:
         rollout_wait = self.clock() - rollout_started - drain
 
         samples, sample_metrics = await self._collect_samples(result.completed_groups)
+        self._check_failing([r for g in result.completed_groups for r in g])
         update_metrics: dict[str, float] = {}
         update_s = sync_s = 0.0
         n_engines = await self._live_engines()

@@ -11,7 +11,8 @@ from rollover.config import load_config
 from rollover.gateway.client import GatewayClient
 from rollover.simulate import LogNormal, Scenario, Simulation
 from rollover.store.models import RolloutState
-from rollover.training.trainer import DrainTimeout, Trainer
+from rollover.training.manager import TrackedRollout
+from rollover.training.trainer import DrainTimeout, RolloutsFailing, Trainer
 from tests.conftest import ADMIN_KEY
 
 
@@ -122,3 +123,34 @@ def test_a_step_without_samples_is_reported_and_leaves_the_policy_alone(caplog):
     assert updates == [8, 8] and syncs == [1, 2]  # steps 1 and 2 only; versions not bumped by step 0
     assert sim.trainer.policy_version == 2 and sim.trainer.global_step == 3
     assert sum("the policy is not updated" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("limit", [3, 1, 0])
+def test_a_run_whose_every_rollout_fails_stops_with_the_error(limit):
+    """Every rollout fails (an agent that cannot start): the run stops after
+    `trainer.max_failed_steps` such steps, naming the agents' error; 0 never stops it."""
+    sim = Simulation(heavy_tail(steps=6, overrides=[f"trainer.max_failed_steps={limit}"]), window=8)
+    real_settle = sim.backend._settle
+
+    def settle(rollout, state, error):
+        if state == RolloutState.SUCCEEDED:
+            state, error = RolloutState.FAILED, "agent class: cannot import module 'calc_agnet'"
+        real_settle(rollout, state, error)
+
+    sim.backend._settle = settle
+    if not limit:
+        assert sim.run().steps == 6
+        return
+    with pytest.raises(RolloutsFailing, match=r"last \d+ steps failed.*cannot import module 'calc_agnet'"):
+        sim.run()
+    assert sim.trainer.global_step == limit - 1  # the step that stops the run is not counted
+
+
+def test_only_failed_steps_in_a_row_stop_a_run():
+    trainer = Simulation(heavy_tail(overrides=["trainer.max_failed_steps=2"]), window=8).trainer
+    failed, ok = (TrackedRollout(f"r-{s}", "d", {}, 0, state=s) for s in (RolloutState.FAILED, RolloutState.SUCCEEDED))
+    trainer._check_failing([failed])
+    trainer._check_failing([failed, ok])  # one success is a step that worked: the count starts over
+    trainer._check_failing([failed])
+    with pytest.raises(RolloutsFailing, match="last 2 steps"):
+        trainer._check_failing([failed])
