@@ -8,6 +8,10 @@ connection that never sends a request holds its file descriptor forever, and its
 one that has not sent a request's headers within `header_timeout_seconds` (from its opening,
 or from the first byte of a later request) is closed, so silent connections come and go and
 never lock the others out for longer than that.
+
+It also sends each response in one write: uvicorn writes a response's head and its body
+separately, two TCP segments that wake the agent twice per call; here what a response writes
+within one turn of the event loop goes out together (`_CoalescedWrites`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._cancel_header_timer()
         super().on_headers_complete()
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and cycle.scope is self.scope and cycle.transport is self.transport:
+            cycle.transport = _CoalescedWrites(self.transport, self.loop)
 
     def _arm_header_timer(self) -> None:
         self._header_timer = self.loop.call_later(self.header_timeout_seconds, self._headers_too_slow)
@@ -65,3 +72,33 @@ def bounded_protocol(max_connections: int, header_timeout_seconds: float) -> typ
         (BoundedHttpToolsProtocol,),
         {"max_connections": max_connections, "header_timeout_seconds": header_timeout_seconds},
     )
+
+
+class _CoalescedWrites:
+    """The part of a transport a response uses (`write`, `close`, `is_closing`), with the writes
+    made in one turn of the event loop sent as one: held until the turn ends, or until the
+    response closes the connection."""
+
+    __slots__ = ("_transport", "_loop", "_held")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._held:
+            self._loop.call_soon(self._flush)
+        self._held.append(data)
+
+    def _flush(self) -> None:
+        held, self._held = self._held, []
+        if held and not self._transport.is_closing():
+            self._transport.write(b"".join(held))
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()

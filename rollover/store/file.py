@@ -41,7 +41,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     PRIMARY KEY (rollout_id, attempt_id)
 );
 CREATE TABLE IF NOT EXISTS events (
-    event_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    event_id INTEGER PRIMARY KEY,
     rollout_id TEXT NOT NULL,
     attempt_id TEXT NOT NULL,
     event_type TEXT NOT NULL,

@@ -67,7 +67,19 @@ _INSERT_ROLLOUT = (
     "INSERT INTO rollouts (rollout_id, input, is_train, config, metadata, state, created_at, updated_at)"
     " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
-_INSERT_EVENT = "INSERT INTO events (rollout_id, attempt_id, event_type, data, created_at) VALUES (?, ?, ?, ?, ?)"
+_INSERT_EVENT = (
+    "INSERT INTO events (event_id, rollout_id, attempt_id, event_type, data, created_at) VALUES (?, ?, ?, ?, ?, ?)"
+)
+_UPSERT_STATE = (
+    "INSERT INTO gateway_state (key, value, updated_at) VALUES (?, ?, ?)"
+    " ON CONFLICT(key) DO UPDATE SET value=excluded.value, updated_at=excluded.updated_at"
+)
+# Event ids are handed out by the store, never reused (a reader may remember the last it saw).
+# It keeps the next one in memory instead of SQLite's AUTOINCREMENT, which updates a
+# sqlite_sequence row in every commit (measured: 88 vs 47 us per event). Deleting a rollout
+# saves the next id here, so a restart on a file whose newest events were deleted goes on
+# from the same point.
+NEXT_EVENT_ID_KEY = "store.next_event_id"
 _DEFAULT_CONFIG_JSON = RolloutConfig.model_validate({}).model_dump_json()
 
 
@@ -116,6 +128,7 @@ class RolloutStore:
                 self._conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer's job
             self._conn.executescript(SCHEMA)
         self._snapshots = self._load_snapshots(self._conn)
+        self._next_event_id = 0 if read_only else self._load_next_event_id(self._conn)
         self._pending: list[PendingWrite[Any]] = []
         self._flush_loop: asyncio.AbstractEventLoop | None = None  # where a flush is scheduled
         self._lock = threading.Lock()  # the store is meant for one event loop; this makes two safe
@@ -141,6 +154,19 @@ class RolloutStore:
                 "SELECT rollout_id, state, last_attempt_id FROM rollouts"
             )
         }
+
+    @staticmethod
+    def _load_next_event_id(conn: sqlite3.Connection) -> int:
+        candidates = [conn.execute("SELECT coalesce(max(event_id), 0) + 1 FROM events").fetchone()[0]]
+        saved = conn.execute("SELECT value FROM gateway_state WHERE key=?", (NEXT_EVENT_ID_KEY,)).fetchone()
+        if saved is not None:
+            candidates.append(int(saved[0]))
+        # A file made when the table still had AUTOINCREMENT remembers its highest id there.
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE name='sqlite_sequence'").fetchone() is not None:
+            sequence = conn.execute("SELECT seq FROM sqlite_sequence WHERE name='events'").fetchone()
+            if sequence is not None:
+                candidates.append(int(sequence[0]) + 1)
+        return max(candidates)
 
     def close(self) -> None:
         """Commits what is pending, then closes the file."""
@@ -249,13 +275,7 @@ class RolloutStore:
         """Commits `value` under `key` (the pause state, the registered models). Writes are
         committed in call order, so the last call's value is what a restart reads."""
         encoded, now = _encode(value, key), time.time()
-        await self._write(
-            lambda conn: conn.execute(
-                "INSERT INTO gateway_state (key, value, updated_at) VALUES (?, ?, ?)"
-                " ON CONFLICT(key) DO UPDATE SET value=excluded.value, updated_at=excluded.updated_at",
-                (key, encoded, now),
-            )
-        )
+        await self._write(lambda conn: conn.execute(_UPSERT_STATE, (key, encoded, now)))
 
     # -- rollouts -------------------------------------------------------------------------
 
@@ -439,6 +459,7 @@ class RolloutStore:
             self.snapshot(rollout_id)
             for table in ("events", "attempts", "rollouts"):
                 conn.execute(f"DELETE FROM {table} WHERE rollout_id=?", (rollout_id,))
+            conn.execute(_UPSERT_STATE, (NEXT_EVENT_ID_KEY, str(self._next_event_id), time.time()))
             del self._snapshots[rollout_id]
 
         await self._write(delete)
@@ -471,8 +492,9 @@ class RolloutStore:
                 )
             if attempt_id not in rollout.attempts:
                 raise AttemptNotFound(f"rollout {rollout_id} has no attempt {attempt_id}")
-            event_id = conn.execute(_INSERT_EVENT, (rollout_id, attempt_id, event_type, encoded, now)).lastrowid
-            assert event_id is not None  # set by every INSERT
+            event_id = self._next_event_id
+            conn.execute(_INSERT_EVENT, (event_id, rollout_id, attempt_id, event_type, encoded, now))
+            self._next_event_id += 1  # after the INSERT: a refused one takes no id
             return event_id
 
         return await self._write(add), now

@@ -1,15 +1,20 @@
 """Connection bounds: silent, slow and idle connections are closed in bounded time, and a
-flood of them never keeps a normal client out for longer than that."""
+flood of them never keeps a normal client out for longer than that. And a response is sent in
+one write."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+import uvicorn
+from uvicorn.server import ServerState
 
+from rollover.gateway.connections import bounded_protocol
 from rollover.gateway.server import GatewayThread
 from tests.conftest import ADMIN_KEY
 
@@ -81,3 +86,57 @@ def test_headers_sent_too_slowly_and_idle_keep_alive_connections_are_closed(boun
     finally:
         slow.close()
         idle.close()
+
+
+class RecordingTransport(asyncio.Transport):
+    """What a response writes, call by call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+
+async def _two_part_response(scope: dict, receive: object, send) -> None:  # type: ignore[no-untyped-def]
+    if scope["path"] == "/stream":  # a chunk now, another a turn of the loop later
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        await asyncio.sleep(0.05)
+        await send({"type": "http.response.body", "body": b"second"})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]})
+    await send({"type": "http.response.body", "body": b"hello"})
+
+
+def test_a_response_goes_out_in_one_write_and_a_stream_chunk_by_chunk() -> None:
+    async def serve(path: str) -> list[bytes]:
+        config = uvicorn.Config(_two_part_response, http=bounded_protocol(10, 5.0), lifespan="off")
+        config.load()
+        protocol = config.http_protocol_class(config=config, server_state=ServerState(), app_state={})
+        transport = RecordingTransport()
+        protocol.connection_made(transport)
+        protocol.data_received(f"GET {path} HTTP/1.1\r\nHost: gateway\r\n\r\n".encode())
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if transport.writes and transport.writes[-1].endswith(b"0\r\n\r\n" if path == "/stream" else b"hello"):
+                break
+        protocol.connection_lost(None)
+        return transport.writes
+
+    [whole] = asyncio.run(serve("/plain"))  # uvicorn alone writes the head and the body apart
+    assert whole.startswith(b"HTTP/1.1 200 OK\r\n") and whole.endswith(b"\r\n\r\nhello")
+    first, second = asyncio.run(serve("/stream"))  # nothing is held past its turn of the loop
+    assert first.startswith(b"HTTP/1.1 200 OK\r\n") and first.endswith(b"5\r\nfirst\r\n")
+    assert second == b"6\r\nsecond\r\n0\r\n\r\n"

@@ -235,3 +235,53 @@ def test_the_batch_posts_json_is_what_the_models_would_write(store):
             assert json.dumps(rollout, separators=(",", ":"), ensure_ascii=False) == stored.model_dump_json()
 
     run(scenario())
+
+
+def test_event_ids_grow_and_are_never_reused_after_deletes_and_restarts(tmp_path):
+    path = tmp_path / "ids.db"
+
+    async def started(store):
+        [r] = await store.add_rollouts([RolloutCreate(input={})])
+        await store.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING))
+        return r.rollout_id
+
+    async def post(store, rollout_id, count):
+        reward = EventCreate(event_type="reward", data={"value": 1.0})
+        return [(await store.add_event(rollout_id, "a1", reward)).event_id for _ in range(count)]
+
+    first = RolloutStore(path)
+    kept, newest = run(started(first)), run(started(first))
+    ids = run(post(first, kept, 2)) + run(post(first, newest, 3))
+    assert ids == sorted(ids) and len(set(ids)) == 5
+    run(first.delete_rollout(newest))  # the highest ids go with it
+    first.close()
+
+    second = RolloutStore(path)
+    again = run(started(second))
+    [after_restart] = run(post(second, again, 1))
+    assert after_restart > max(ids)  # not SQLite's max(rowid) + 1, which the delete lowered
+    second.close()
+
+
+def test_a_file_made_with_autoincrement_event_ids_goes_on_after_its_highest(tmp_path):
+    path = tmp_path / "old.db"
+    old = sqlite3.connect(path)
+    old.executescript(
+        "CREATE TABLE events (event_id INTEGER PRIMARY KEY AUTOINCREMENT, rollout_id TEXT NOT NULL,"
+        " attempt_id TEXT NOT NULL, event_type TEXT NOT NULL, data TEXT NOT NULL, created_at REAL NOT NULL);"
+        "INSERT INTO events VALUES (41, 'gone', 'a1', 'reward', '{}', 0);"
+        "DELETE FROM events;"
+    )
+    old.commit()
+    old.close()
+    store = RolloutStore(path)
+
+    async def one_event():
+        [r] = await store.add_rollouts([RolloutCreate(input={})])
+        await store.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING))
+        return (
+            await store.add_event(r.rollout_id, "a1", EventCreate(event_type="reward", data={"value": 1.0}))
+        ).event_id
+
+    assert run(one_event()) == 42
+    store.close()
