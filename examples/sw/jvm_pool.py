@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from examples.sw.task import REUSED_JVM_OPTIONS, ScienceWorld
+from examples.sw.task import REUSED_JVM_OPTIONS, ScienceWorld, jvm_options_unless_set
 
 POOL_ENV = "ROLLOVER_SW_JVM_POOL"  # the pool's folder, in the environment of every agent
 LEASE_POLL_SECONDS = 0.05
@@ -51,19 +51,18 @@ class JVMPool:
         self.folder.mkdir(parents=True, exist_ok=True)
         for path in self.folder.glob("slot-*"):
             path.unlink()
-        for index in range(self.size):
-            port, process = launch_gateway(
-                classpath=JAR_PATH,
-                javaopts=REUSED_JVM_OPTIONS.split(),
-                die_on_exit=True,
-                cwd=BASEPATH,
-                return_proc=True,
-            )
-            self.processes.append(process)
-            (self.folder / f"slot-{index}.lock").touch()
-            staging = self.folder / f"slot-{index}.port.partial"
-            staging.write_text(str(port))
-            staging.rename(self.folder / f"slot-{index}.port")  # a reader never sees half a port
+        try:
+            for index in range(self.size):
+                with jvm_options_unless_set(REUSED_JVM_OPTIONS):
+                    port, process = launch_gateway(classpath=JAR_PATH, die_on_exit=True, cwd=BASEPATH, return_proc=True)
+                self.processes.append(process)
+                (self.folder / f"slot-{index}.lock").touch()
+                staging = self.folder / f"slot-{index}.port.partial"
+                staging.write_text(str(port))
+                staging.rename(self.folder / f"slot-{index}.port")  # a reader never sees half a port
+        except BaseException:
+            self.close()  # the JVMs already started would otherwise live until this process ends
+            raise
         return self
 
     def close(self, timeout: float = 10.0) -> None:

@@ -47,7 +47,7 @@ def prepare(config: RolloverConfig) -> RolloverConfig:
     if model.path is None:
         model.path = str(tiny_sw_model(cache / MODEL_NAME, demonstrations(cache)))
     local = config.agentlightning.local
-    size = int(os.environ.get("ROLLOVER_SW_JVMS", local.max_concurrency))
+    size = _pool_size(local.max_concurrency)
     if config.agentlightning.runner == "local" and size > 0 and POOL_ENV not in local.env:
         pool = JVMPool(Path(tempfile.mkdtemp(prefix="rollover-sw-jvms-")), size).start()
         if not _POOLS:
@@ -55,6 +55,16 @@ def prepare(config: RolloverConfig) -> RolloverConfig:
         _POOLS.append(pool)
         local.env[POOL_ENV] = str(pool.folder)
     return config
+
+
+def _pool_size(default: int) -> int:
+    raw = os.environ.get("ROLLOVER_SW_JVMS")
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"ROLLOVER_SW_JVMS must be a number of JVMs (0 for none), got {raw!r}") from None
 
 
 # The JVM pools this process started (one per run it prepared); they live as long as it does.

@@ -17,7 +17,8 @@ import os
 import re
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,11 +36,26 @@ BLOCKED_ACTIONS = frozenset({"reset task"})  # would undo the episode's progress
 MAX_ACTION_CHARS = 80
 # A JVM for one episode runs for seconds only: the client compiler and the serial collector
 # start fastest and leave the CPU to the policy; a small heap lets many run side by side.
-# Overridden by a JAVA_TOOL_OPTIONS set by the user.
+# Both are overridden by a JAVA_TOOL_OPTIONS set by the user (`jvm_options_unless_set`).
 JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -Xmx768m"
 # A JVM that plays many episodes gets the optimising compiler too: measured here, an episode
 # takes 1.5 s of JVM time at the client compiler's level and about 0.4 s from the fourth on.
 REUSED_JVM_OPTIONS = "-XX:+UseSerialGC -Xmx768m"
+
+
+@contextmanager
+def jvm_options_unless_set(options: str) -> Iterator[None]:
+    """JVMs launched inside get `options` (through JAVA_TOOL_OPTIONS, which every JVM reads),
+    unless the user set JAVA_TOOL_OPTIONS: then theirs."""
+    if "JAVA_TOOL_OPTIONS" in os.environ:
+        yield
+        return
+    os.environ["JAVA_TOOL_OPTIONS"] = options
+    try:
+        yield
+    finally:
+        os.environ.pop("JAVA_TOOL_OPTIONS", None)
+
 
 ACTION = re.compile(r"ACTION:[ \t]*([^\n]*)", re.IGNORECASE)
 
@@ -180,14 +196,8 @@ class ScienceWorld:
     def __init__(self, step_limit: int = 100, jvm_options: str = JVM_OPTIONS) -> None:
         from scienceworld import ScienceWorldEnv
 
-        saved = os.environ.get("JAVA_TOOL_OPTIONS")
-        if saved is None:
-            os.environ["JAVA_TOOL_OPTIONS"] = jvm_options
-        try:
+        with jvm_options_unless_set(jvm_options):
             self.env = ScienceWorldEnv("", envStepLimit=step_limit)
-        finally:
-            if saved is None:
-                os.environ.pop("JAVA_TOOL_OPTIONS", None)
         self.process: subprocess.Popen | None = self.env._gateway.java_process
         self._closed = False
 

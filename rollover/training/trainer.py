@@ -292,14 +292,15 @@ class Trainer:
         metrics.update(summarize("timing/rollout_total_s", total))
         return metrics
 
-    def _check_failing(self, completed: list[TrackedRollout]) -> None:
-        failed = [r for r in completed if r.state == RolloutState.FAILED]
-        self._failed_steps = self._failed_steps + 1 if completed and len(failed) == len(completed) else 0
+    def _check_failing(self, completed: list[TrackedRollout], n_failed: int) -> None:
+        """Counts steps in a row whose `completed` rollouts all failed (`n_failed` of them, as
+        `_collect_samples` counted) and stops the run at `trainer.max_failed_steps`."""
+        self._failed_steps = self._failed_steps + 1 if completed and n_failed == len(completed) else 0
         limit = self.config.trainer.max_failed_steps
         if limit and self._failed_steps >= limit:
             raise RolloutsFailing(
                 f"every rollout of the last {self._failed_steps} steps failed (trainer.max_failed_steps="
-                f"{limit}); the latest error: {failed[-1].error_message or 'none recorded'}"
+                f"{limit}); the latest error: {completed[-1].error_message or 'none recorded'}"
             )
 
     async def train_step(self) -> dict[str, float]:
@@ -314,7 +315,8 @@ class Trainer:
         rollout_wait = self.clock() - rollout_started - drain
 
         samples, sample_metrics = await self._collect_samples(result.completed_groups)
-        self._check_failing([r for g in result.completed_groups for r in g])
+        completed = [r for g in result.completed_groups for r in g]
+        self._check_failing(completed, int(sample_metrics["rollouts/n_failed"]))
         update_metrics: dict[str, float] = {}
         update_s = sync_s = 0.0
         n_engines = await self._live_engines()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from examples.sw.jvm_pool import POOL_ENV, JVMPool, leased_world, world_for_episode
-from examples.sw.task import play
+from examples.sw.task import REUSED_JVM_OPTIONS, play
 from tests.examples.test_sw import live_processes
 
 pytestmark = pytest.mark.slow
@@ -119,3 +119,58 @@ def test_without_a_pool_an_episode_gets_a_jvm_of_its_own(monkeypatch: pytest.Mon
 def test_a_pool_needs_a_jvm(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least one JVM"):
         JVMPool(tmp_path, size=0)
+
+
+def java_tool_options(pid: int) -> str | None:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    found = [v for v in environ if v.startswith(b"JAVA_TOOL_OPTIONS=")]
+    return found[0].split(b"=", 1)[1].decode() if found else None
+
+
+def test_the_pools_jvm_options_give_way_to_the_users_java_tool_options(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("JAVA_TOOL_OPTIONS", raising=False)
+    pool = JVMPool(tmp_path / "default", size=1).start()
+    try:
+        assert java_tool_options(pool.processes[0].pid) == REUSED_JVM_OPTIONS
+    finally:
+        pool.close()
+    assert "JAVA_TOOL_OPTIONS" not in os.environ  # set only while the JVM was launched
+    monkeypatch.setenv("JAVA_TOOL_OPTIONS", "-Xmx600m")
+    pool = JVMPool(tmp_path / "users", size=1).start()
+    try:
+        assert java_tool_options(pool.processes[0].pid) == "-Xmx600m"
+    finally:
+        pool.close()
+
+
+def test_a_pool_that_cannot_start_all_its_jvms_stops_those_it_started(tmp_path, monkeypatch) -> None:
+    import py4j.java_gateway
+
+    launched: list[subprocess.Popen] = []
+    real_launch = py4j.java_gateway.launch_gateway
+
+    def launch_once(**kwargs):
+        if launched:
+            raise OSError("no more JVMs")
+        port, process = real_launch(**kwargs)
+        launched.append(process)
+        return port, process
+
+    monkeypatch.setattr(py4j.java_gateway, "launch_gateway", launch_once)
+    with pytest.raises(OSError, match="no more JVMs"):
+        JVMPool(tmp_path / "jvms", size=2).start()
+    [first] = launched
+    assert first.poll() is not None  # stopped, not left running until this process exits
+    assert not (tmp_path / "jvms").exists()
+
+
+def test_a_pool_size_that_is_not_a_number_is_refused_naming_the_variable(monkeypatch) -> None:
+    from examples.sw.prepare import _pool_size
+
+    monkeypatch.setenv("ROLLOVER_SW_JVMS", "two")
+    with pytest.raises(ValueError, match="ROLLOVER_SW_JVMS must be a number of JVMs.*'two'"):
+        _pool_size(4)
+    monkeypatch.setenv("ROLLOVER_SW_JVMS", "0")
+    assert _pool_size(4) == 0
+    monkeypatch.delenv("ROLLOVER_SW_JVMS")
+    assert _pool_size(4) == 4

@@ -149,8 +149,8 @@ def test_a_run_whose_every_rollout_fails_stops_with_the_error(limit):
 def test_only_failed_steps_in_a_row_stop_a_run():
     trainer = Simulation(heavy_tail(overrides=["trainer.max_failed_steps=2"]), window=8).trainer
     failed, ok = (TrackedRollout(f"r-{s}", "d", {}, 0, state=s) for s in (RolloutState.FAILED, RolloutState.SUCCEEDED))
-    trainer._check_failing([failed])
-    trainer._check_failing([failed, ok])  # one success is a step that worked: the count starts over
-    trainer._check_failing([failed])
+    trainer._check_failing([failed], n_failed=1)
+    trainer._check_failing([failed, ok], n_failed=1)  # one success is a step that worked: the count starts over
+    trainer._check_failing([failed], n_failed=1)
     with pytest.raises(RolloutsFailing, match="last 2 steps"):
-        trainer._check_failing([failed])
+        trainer._check_failing([failed], n_failed=1)
