@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from benchmarks import async_vs_sync, drain_latency, gateway_overhead, simulate_vs_measured
+from benchmarks import async_vs_sync, drain_latency, gateway_overhead, gateway_stages, simulate_vs_measured
 
 
 @pytest.mark.vllm
@@ -113,6 +113,17 @@ def test_gateway_overhead_smoke():
     assert report.throughput_ratio("rollover") > 0 and report.added_latency_ms("rollover") is not None
     assert rollover.rollouts_per_s > 0 and rollover.events_per_s > 0
     assert json.loads(json.dumps(report.to_json()))["throughput_ratio"]["rollover"] > 0
+
+
+@pytest.mark.slow
+def test_gateway_stages_smoke():
+    figures = gateway_stages.measure(calls=60, warmup=10)
+    print(gateway_stages.format_report(figures))
+    assert figures["calls"] == 50  # every proxied call passed every probe, in order
+    assert list(figures["stages_us"]) == [name for name, _, _ in gateway_stages.STAGES]
+    assert all(us > 0 for us in figures["stages_us"].values())
+    assert 0 < figures["in_gateway_us"] < figures["proxied_p50_ms"] * 1e3
+    assert figures["proxied_p50_ms"] > 0 and figures["direct_p50_ms"] > 0
 
 
 @pytest.mark.slow
