@@ -27,6 +27,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     max_connections = 512
     header_timeout_seconds = 10.0
     _header_timer: asyncio.TimerHandle | None = None
+    _reading_headers = False  # a request has begun and its headers are not all in
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -39,12 +40,20 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_header_timer()
         super().connection_lost(exc)
 
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        if self._header_timer is None:  # a later request on a kept-alive connection
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # A later request on a kept-alive connection whose headers did not all come in this
+        # read. (Armed here, not at its first byte: most requests come whole, and a timer
+        # armed and cancelled per request is a cost every proxied call would pay.)
+        if self._reading_headers and self._header_timer is None and not self.transport.is_closing():
             self._arm_header_timer()
 
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._reading_headers = True
+
     def on_headers_complete(self) -> None:
+        self._reading_headers = False
         self._cancel_header_timer()
         super().on_headers_complete()
         cycle = getattr(self, "cycle", None)

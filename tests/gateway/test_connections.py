@@ -88,6 +88,15 @@ def test_headers_sent_too_slowly_and_idle_keep_alive_connections_are_closed(boun
         idle.close()
 
 
+def test_a_later_request_whose_headers_stall_on_a_kept_alive_connection_is_closed(bounded):
+    with socket.create_connection((bounded.host, bounded.port), timeout=10) as kept:
+        kept.sendall(f"GET /api/rollouts HTTP/1.1\r\nHost: x\r\nx-api-key: {ADMIN_KEY}\r\n\r\n".encode())
+        assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+        # The next request's first bytes end the keep-alive wait; then its headers never end.
+        kept.sendall(b"GET /api/rollouts HTTP/1.1\r\nHost: x\r\n")
+        assert closed_by_server(kept, 10 * HEADER_TIMEOUT)
+
+
 class RecordingTransport(asyncio.Transport):
     """What a response writes, call by call."""
 
