@@ -17,8 +17,9 @@ Stages (median microseconds over the calls, the first `--warmup` left out):
   answer out      back in the handler, the response built and handed to the transport
 
 Usage: python benchmarks/gateway_stages.py [--calls 3000] [--warmup 500] [--json]
-The probes cost a few microseconds each, so the stages add up to a little more than the
-gateway costs without them.
+The probes cost a few microseconds each. Stages are wall time: a write to a loopback socket can
+hand the core to the process it wakes, so `to engine` and `answer out` hold some of the
+engine's and the client's time too.
 """
 
 from __future__ import annotations
