@@ -59,7 +59,10 @@ def test_sync_training_end_to_end(tmp_path, calc_model, vllm_engine, long_tailed
     """Sync mode: every step waits for its whole batch and trains on-policy data only (the
     async test above checks the learning signal; sync learns as well: the calc README)."""
     steps = 4
-    train, val = train_briefly(CALC_CONFIG, tmp_path, calc_model, "sync", steps, engine=vllm_engine)
+    # 16 held-out tasks, not the example's 128: this test checks the plumbing, not a margin.
+    train, val = train_briefly(
+        CALC_CONFIG, tmp_path, calc_model, "sync", steps, "data.val_batch_size=16", engine=vllm_engine
+    )
     assert len(val) == 2
     for row in train:
         assert row["training/async/n_prev_carry_over_rollouts"] == 0
