@@ -605,7 +605,7 @@ async def _forward_unless_disconnected(
 
     The call runs in the request's own task: a watcher for the agent hanging up is started only
     once it has taken `DISCONNECT_CHECK_SECONDS`, so the usual short call pays for a timer, not
-    for a task of its own and the loop iterations of handing its result over (~40 us a call)."""
+    for a task of its own and the turns of the event loop that hand its result back."""
     call = asyncio.current_task()
     assert call is not None  # a request is served in a task
     hung_up = asyncio.Event()

@@ -76,9 +76,9 @@ _UPSERT_STATE = (
 )
 # Event ids are handed out by the store, never reused (a reader may remember the last it saw).
 # It keeps the next one in memory instead of SQLite's AUTOINCREMENT, which updates a
-# sqlite_sequence row in every commit (measured: 88 vs 47 us per event). Deleting a rollout
-# saves the next id here, so a restart on a file whose newest events were deleted goes on
-# from the same point.
+# sqlite_sequence row in every commit (measured, SQLite alone: 88 vs 47 us an insert).
+# Deleting a rollout saves the next id here, so a restart on a file whose newest events were
+# deleted goes on from the same point.
 NEXT_EVENT_ID_KEY = "store.next_event_id"
 _DEFAULT_CONFIG_JSON = RolloutConfig.model_validate({}).model_dump_json()
 
