@@ -445,13 +445,21 @@ class Trainer:
 
     async def reconcile_after_restart(self) -> int:
         """After a crash the agents of unfinished rollouts are gone: abort every rollout still
-        queued or running in the store, and re-queue carry-over groups that lost members."""
+        queued or running in the store. A carry-over group that lost a member, to that or to an
+        earlier abort (a finished run aborts its carry-over after its last checkpoint), would
+        be trained on as a failure: it is dropped and its prompt re-queued."""
         stranded = await self.client.list_rollouts(state_in=[RolloutState.QUEUING, RolloutState.RUNNING])
         await self._backend.abort([r.rollout_id for r in stranded], "trainer restarted")
-        stranded_ids = {r.rollout_id for r in stranded}
+        ids = [r.rollout_id for r in self._carry_over_rollouts]
+        carried = {r.rollout_id: r for r in await self.client.list_rollouts(rollout_ids=ids)}
+
+        def lost(rollout_id: str) -> bool:
+            found = carried.get(rollout_id)
+            return found is None or found.aborted or not found.state.terminal
+
         kept: list[TrackedRollout] = []
         for data_id, group in group_by_data_id(self._carry_over_rollouts).items():
-            if any(r.rollout_id in stranded_ids for r in group):
+            if any(lost(r.rollout_id) for r in group):
                 self.loader.requeue(Prompt(data_id=data_id, input=group[0].input))
             else:
                 kept += group

@@ -151,6 +151,10 @@ def test_resume_on_one_rank_after_a_kill_9(two_rank_run, calc_model):
     assert unfinished == 0
     assert aborted > 0  # the dead run's rollouts were reconciled, not left running
     state = json.loads((run_dir / "checkpoints" / "step_5" / "trainer_state.json").read_text())
+    # Every step updated: no step trained on nothing (the killed run's first step resumed the
+    # first run's last checkpoint, whose carry-over that run aborted as it finished).
+    skipped = {r["step"]: r["training/update_skipped"] for r in training_rows(run_dir)}
+    assert skipped == dict.fromkeys(range(1, 6), 0.0), (root / "killed.log").read_text()[-3000:]
     assert state["global_step"] == 5 and state["policy_version"] == 5
 
 

@@ -154,3 +154,26 @@ def test_only_failed_steps_in_a_row_stop_a_run():
     trainer._check_failing([failed], n_failed=1)
     with pytest.raises(RolloutsFailing, match="last 2 steps"):
         trainer._check_failing([failed], n_failed=1)
+
+
+def test_resuming_a_finished_run_requeues_the_carry_over_it_aborted():
+    """A run aborts its carry-over after its last checkpoint. Resumed from that checkpoint (to
+    train longer), those groups must be re-queued, not trained on as failures."""
+    sim = Simulation(heavy_tail(steps=2), window=8)
+    sim.run()
+    trainer = sim.trainer
+    trainer.load_state_dict(trainer.state_dict())  # what the last checkpoint holds
+    aborted = {
+        r.data_id
+        for r in trainer._carry_over_rollouts
+        if (sim.backend.rollouts[r.rollout_id].error_message or "").startswith("aborted: training finished")
+    }
+    assert aborted  # heavy tail: some carried groups were still running when the run finished
+    trainer.config.trainer.total_training_steps = 4
+    asyncio.run(trainer.reconcile_after_restart())
+    assert not aborted & {r.data_id for r in trainer._carry_over_rollouts}
+    assert len(trainer.loader.requeued) == len(aborted)
+    sim.gateway.consumed.clear()
+    resumed = [m for m in asyncio.run(trainer.fit()) if "timing/step_s" in m][2:]
+    assert [m["rollouts/n_failed"] for m in resumed] == [0, 0]
+    assert all(c.state == RolloutState.SUCCEEDED for c in sim.gateway.consumed)
