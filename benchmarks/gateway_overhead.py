@@ -13,7 +13,10 @@ shipped from the Python given with `--agl-python`); the load comes from this pro
 one aiohttp session per figure. Targets are measured in interleaved rounds (direct, Rollover,
 Agent Lightning, again...) so a change in machine load hits all of them alike.
 
-Usage: python benchmarks/gateway_overhead.py [--agl-python /work/cache/agl-venv/bin/python]
+With `--floor` it also measures `relay_floor.py`, a relay that only relays (figures 1 and 2):
+what a process and two loopback hops on the path cost here before any gateway work.
+
+Usage: python benchmarks/gateway_overhead.py [--agl-python /work/cache/agl-venv/bin/python] [--floor]
        [--latency-requests 2000] [--throughput-requests 1920] [--rounds 4] [--json]
 """
 
@@ -23,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -66,6 +70,7 @@ class Settings:
     rounds: int = 4  # interleaved rounds each figure is split into
     agl_python: str | None = None  # a Python with agentlightning installed
     baseline_root: str | None = None  # another Rollover source tree (an older commit) to measure too
+    floor: bool = False  # also measure `relay_floor.py`, a relay that does nothing else
 
 
 @dataclass
@@ -119,6 +124,7 @@ class Gateway:
     admin_headers: dict[str, str]
     agent_headers: Callable[[str], dict[str, str]]
     model_body: list[dict[str, Any]]
+    relay_only: bool = False  # the floor: it relays model calls and has no rollout API
 
 
 def start_stub(stack: ExitStack) -> tuple[str, int]:
@@ -173,6 +179,27 @@ def start_baseline(stack: ExitStack, root: str, upstream: str, folder: str) -> G
         agent_headers=lambda rid: {"Authorization": f"Bearer {KEY}"},
         model_body=[{"model": MODEL, "endpoint": upstream}],
     )
+
+
+def start_floor(stack: ExitStack, upstream: str) -> Gateway:
+    """`relay_floor.py`: the relay that does nothing but relay (what any gateway pays first)."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "relay_floor.py"), "--port", str(port), "--upstream", upstream],
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
+    stack.callback(kill_group, process)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the relay floor did not start (exit code {process.poll()})") from None
+            time.sleep(0.1)
+    return Gateway("floor", f"http://127.0.0.1:{port}", process.pid, {}, lambda rid: {}, [], relay_only=True)
 
 
 def start_agent_lightning(stack: ExitStack, python: str, upstream: str, folder: str) -> Gateway:
@@ -295,7 +322,8 @@ async def measure(settings: Settings, upstream: str, stub_pid: int, gateways: li
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         agents: dict[str, list[str]] = {}
-        for gateway in gateways:
+        api_gateways = [g for g in gateways if not g.relay_only]
+        for gateway in api_gateways:
             async with session.post(
                 f"{gateway.url}/api/models", json=gateway.model_body, headers=gateway.admin_headers
             ) as response:
@@ -307,6 +335,9 @@ async def measure(settings: Settings, upstream: str, stub_pid: int, gateways: li
             direct = (f"{upstream}/chat/completions", body, json_headers({}))
             calls: dict[str, Call] = {"direct": cycling([direct])}
             for gateway in gateways:
+                if gateway.relay_only:
+                    calls[gateway.name] = cycling([(f"{gateway.url}/relay", body, json_headers({}))])
+                    continue
                 ids = agents[gateway.name]
                 urls = [
                     (f"{gateway.url}/proxy/rollout/{rid}/attempt/{ATTEMPT}/mode/train/openai/v1/chat/completions", rid)
@@ -345,7 +376,7 @@ async def measure(settings: Settings, upstream: str, stub_pid: int, gateways: li
         # 3. rollout creation in batches
         batch = json.dumps([{"input": {"question": f"q{i}"}, "metadata": {"i": i}} for i in range(settings.batch_size)])
         creations: dict[str, Call] = {}
-        for gateway in gateways:
+        for gateway in api_gateways:
             entry = (f"{gateway.url}/api/rollouts", batch.encode(), json_headers(gateway.admin_headers))
             creations[gateway.name] = cycling([entry])
         results = await interleaved(runs(creations, settings.batch_concurrency), settings.batches, settings.rounds)
@@ -354,7 +385,7 @@ async def measure(settings: Settings, upstream: str, stub_pid: int, gateways: li
 
         # 4. event posting, one rollout per worker (an agent reporting as it goes)
         postings: dict[str, Call] = {}
-        for gateway in gateways:
+        for gateway in api_gateways:
             ids = agents[gateway.name][: settings.event_concurrency]
             event = json.dumps({"event_type": "reward", "data": {"value": 1.0}}).encode()
             prepared = [
@@ -378,6 +409,8 @@ def run_benchmark(settings: Settings) -> Report:
     with tempfile.TemporaryDirectory() as folder, ExitStack() as stack:
         upstream, stub_pid = start_stub(stack)
         gateways = [start_rollover(stack, upstream, folder)]
+        if settings.floor:
+            gateways.append(start_floor(stack, upstream))
         if settings.baseline_root:
             gateways.append(start_baseline(stack, settings.baseline_root, upstream, folder))
         if settings.agl_python:
@@ -433,6 +466,10 @@ def format_report(report: Report) -> str:
         f">= {TARGETS['events_per_s']}",
     )
     row("  server CPU ms per event", [""] + [_fmt(p[n].cpu_ms_per_event, ".3f") for n in gateways], "")
+    floor, ours_added = report.paths.get("floor"), report.added_latency_ms("rollover")
+    if floor is not None and ours_added is not None:
+        floor_added = report.added_latency_ms("floor") or 0.0
+        lines.append(f"rollover's added latency above the floor's: {ours_added - floor_added:+.2f} ms a call at c=1")
     if "agent-lightning" in p:
         ours, theirs = p["rollover"], p["agent-lightning"]
         ratios = [
@@ -454,6 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.add_argument(flag, default=None, help="a Python with agentlightning installed, to compare")
         elif name == "baseline_root":
             parser.add_argument(flag, default=None, help="a Rollover source tree (another commit) to compare")
+        elif name == "floor":
+            parser.add_argument(flag, action="store_true", help="also measure benchmarks/relay_floor.py")
         else:
             parser.add_argument(flag, type=type(value), default=value)
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")

@@ -104,6 +104,7 @@ def test_gateway_overhead_smoke():
         batch_size=16,
         events=64,
         rounds=2,
+        floor=True,
     )
     report = gateway_overhead.run_benchmark(settings)
     print(gateway_overhead.format_report(report))
@@ -113,6 +114,9 @@ def test_gateway_overhead_smoke():
     assert report.throughput_ratio("rollover") > 0 and report.added_latency_ms("rollover") is not None
     assert rollover.rollouts_per_s > 0 and rollover.events_per_s > 0
     assert json.loads(json.dumps(report.to_json()))["throughput_ratio"]["rollover"] > 0
+    floor = report.paths["floor"]  # the bare relay answered every call; it has no rollout API
+    assert floor.latency_p50_ms > 0 and report.throughput_ratio("floor") > 0 and floor.rollouts_per_s is None
+    assert "above the floor" in gateway_overhead.format_report(report)
 
 
 @pytest.mark.slow

@@ -1,0 +1,122 @@
+"""The least a Python gateway can cost on this machine: an HTTP relay that does nothing else.
+
+It runs as its own process on uvloop with httptools (what Rollover's gateway runs on) and
+passes each POST's body to the upstream and the answer back, over one kept-alive upstream
+connection per client connection. No routing, auth, JSON, pause state or store. The overhead
+benchmark (`gateway_overhead.py --floor`) measures it beside the real gateway: its added latency is
+what two more loopback hops and a process on the path cost before the gateway does any work.
+
+Usage: python benchmarks/relay_floor.py --port 8100 --upstream http://127.0.0.1:8000/v1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from collections import deque
+from urllib.parse import urlsplit
+
+import httptools
+import uvloop
+
+
+class _Upstream(asyncio.Protocol):
+    """One kept-alive connection to the upstream; answers go back in the order asked."""
+
+    def __init__(self, answer: asyncio.Transport) -> None:
+        self.answer = answer
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.head = b""
+        self.body: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_message_complete(self) -> None:
+        body = b"".join(self.body)
+        self.body.clear()
+        self.answer.write(
+            b"HTTP/1.1 %d OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (self.parser.get_status_code(), len(body), body)
+        )
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+
+class _Relay(asyncio.Protocol):
+    def __init__(self, host: str, port: int, path: bytes) -> None:
+        self.host, self.port, self.path = host, port, path
+        self.parser = httptools.HttpRequestParser(self)
+        self.body: list[bytes] = []
+        self.pending: deque[bytes] = deque()
+        self.upstream: _Upstream | None = None
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        asyncio.get_running_loop().create_task(self._connect())
+
+    async def _connect(self) -> None:
+        assert self.transport is not None
+        _, self.upstream = await asyncio.get_running_loop().create_connection(
+            lambda: _Upstream(self.transport),
+            self.host,
+            self.port,  # type: ignore[arg-type]
+        )
+        while self.pending:
+            self._send(self.pending.popleft())
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        body = b"".join(self.body)
+        self.body.clear()
+        if self.upstream is None:
+            self.pending.append(body)
+        else:
+            self._send(body)
+
+    def _send(self, body: bytes) -> None:
+        assert self.upstream is not None and self.upstream.transport is not None
+        self.upstream.transport.write(
+            b"POST %s HTTP/1.1\r\nhost: upstream\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (self.path, len(body), body)
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.upstream is not None and self.upstream.transport is not None:
+            self.upstream.transport.close()
+
+
+async def serve(port: int, upstream: str) -> None:
+    parts = urlsplit(upstream)
+    assert parts.hostname and parts.port, f"--upstream needs a host and a port: {upstream}"
+    path = f"{parts.path.rstrip('/')}/chat/completions".encode()
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _Relay(parts.hostname, parts.port, path), "127.0.0.1", port)
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    async with server:
+        await stop.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--upstream", required=True, help="the upstream's OpenAI base URL (…/v1)")
+    args = parser.parse_args()
+    uvloop.run(serve(args.port, args.upstream))
+
+
+if __name__ == "__main__":
+    main()
