@@ -277,6 +277,10 @@ class UpstreamPool:
             )
         except (OSError, asyncio.TimeoutError) as exc:
             raise ConnectFailed(f"cannot connect to {target.host}:{target.port}: {exc!r}") from None
+        except BaseException:
+            # Cancelled (the agent hung up) as the connection was made: it is nobody's to close.
+            connection.abort()
+            raise
         return connection
 
     def _ssl_context(self) -> ssl.SSLContext:

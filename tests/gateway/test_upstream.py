@@ -230,3 +230,32 @@ async def test_a_connection_idle_too_long_is_not_reused(serve):
         response.release()
     assert server.connections == 3 and server.calls == 3
     pool.close()
+
+
+async def test_a_call_cancelled_as_its_connection_is_made_leaves_it_closed(monkeypatch):
+    """The cancel (an agent that hung up) lands once the connection exists and before the
+    call has it: the connection must not stay open, held by nobody."""
+    loop = asyncio.get_running_loop()
+    made = asyncio.Event()
+    transports = []
+
+    class Transport:
+        aborted = False
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    async def create_connection(factory, host, port, ssl=None):
+        transport = Transport()
+        transports.append(transport)
+        factory().connection_made(transport)
+        made.set()
+        await asyncio.Event().wait()  # the handshake's last step, where the cancel lands
+
+    monkeypatch.setattr(loop, "create_connection", create_connection)
+    call = asyncio.create_task(UpstreamPool(timeout_seconds=30).post("http://127.0.0.1:9/v1/completions", b"{}"))
+    await made.wait()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert [t.aborted for t in transports] == [True]
