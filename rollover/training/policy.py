@@ -28,6 +28,8 @@ from rollover.training.logprobs import token_logprobs
 from rollover.training.samples import Sample, collate
 
 Prepared = tuple[Sample, dict[str, torch.Tensor]]
+# Optimizer steps of an update left out for want of a gradient (a count, not a token mean).
+SKIPPED_STEPS = "actor/n_skipped_steps"
 
 
 def pick_device(setting: str) -> torch.device:
@@ -140,13 +142,16 @@ class Policy:
         sums: dict[str, float] = {}
         total_tokens = 0
         self.progress.update(0, len(plan.steps))
+        skipped = 0.0
         for done, indices in enumerate(plan.steps, start=1):
             metrics, tokens = self._optimizer_step([prepared[i] for i in indices], temperature)
+            skipped += metrics.pop(SKIPPED_STEPS)
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value * tokens
             total_tokens += tokens
             self.progress.update(done, len(plan.steps))
-        return {key: value / max(total_tokens, 1) for key, value in sums.items()} | corr_metrics
+        averaged = {key: value / max(total_tokens, 1) for key, value in sums.items()}
+        return averaged | {SKIPPED_STEPS: skipped} | corr_metrics
 
     def _my_share(self, samples: Sequence[Sample]) -> tuple[list[int], int]:
         """This rank's indices of `samples` and the number of micro-batches every rank runs
@@ -233,7 +238,13 @@ class Policy:
                     if isinstance(value, (int, float)) and math.isfinite(value):
                         sums[key] = sums.get(key, 0.0) + float(value) * part_tokens
         grad_norm = sharding.full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), actor.grad_clip))
-        self.optimizer.step()
+        # No gradient (every advantage 0: each group's rewards alike), or a broken one: no step.
+        # Adam would still move every weight along its momentum, a full-size step in an old
+        # direction, and four such steps in a row collapsed a calc run's policy (measured).
+        # The norm is the whole model's, so every rank decides alike.
+        skipped = not math.isfinite(float(grad_norm)) or float(grad_norm) == 0.0
+        if not skipped:
+            self.optimizer.step()
         if self.world.distributed:
             totals: dict[str, float] = {}
             for rank_sums in sharding.all_gather_objects(sums):
@@ -243,6 +254,7 @@ class Policy:
         result = {key: value / max(n_tokens, 1) for key, value in sums.items()}
         result["actor/grad_norm"] = float(grad_norm)
         result["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        result[SKIPPED_STEPS] = float(skipped)
         return result, n_tokens
 
     def _micro_batch_loss(self, part: list[Prepared], temperature: float) -> tuple[torch.Tensor, dict[str, float], int]:

@@ -149,3 +149,20 @@ def test_rollout_correction_metrics_are_the_whole_batchs_before_truncation():
     assert metrics["rollout_corr/is_mean"] == pytest.approx((3 * 3.0 + 2 * 1.0) / 5, rel=1e-4)
     assert metrics["rollout_corr/clipped_fraction"] == pytest.approx(3 / 5)
     assert metrics["rollout_corr/kl"] == pytest.approx(-3 * math.log(3.0) / 5, rel=1e-4)
+
+
+def test_a_mini_batch_without_gradient_takes_no_optimizer_step():
+    """After updates that gave Adam momentum, an update whose every advantage is 0 (each
+    group's rewards alike) must leave the weights alone: a step on a zero gradient would still
+    move them along the momentum."""
+    policy = tiny_policy()
+    good, bad = [2, 3, 4, 5, 6, 7], [2, 3, 4, 8, 9, 10]
+    for _ in range(3):
+        policy.update([make_sample(good, 1.0, "a"), make_sample(bad, -1.0, "b")], random.Random(0))
+    weights = [p.detach().clone() for p in policy.model.parameters()]
+    metrics = policy.update([make_sample(good, 0.0, "a"), make_sample(bad, 0.0, "b")], random.Random(0))
+    assert metrics["actor/grad_norm"] == 0.0 and metrics["actor/n_skipped_steps"] >= 1
+    assert all(torch.equal(before, after) for before, after in zip(weights, policy.model.parameters()))
+    moved = policy.update([make_sample(good, 1.0, "a"), make_sample(bad, -1.0, "b")], random.Random(0))
+    assert moved["actor/n_skipped_steps"] == 0
+    assert not all(torch.equal(before, after) for before, after in zip(weights, policy.model.parameters()))
