@@ -28,8 +28,6 @@ from rollover.training.logprobs import token_logprobs
 from rollover.training.samples import Sample, collate
 
 Prepared = tuple[Sample, dict[str, torch.Tensor]]
-# Optimizer steps of an update left out for want of a gradient (a count, not a token mean).
-SKIPPED_STEPS = "actor/n_skipped_steps"
 
 
 def pick_device(setting: str) -> torch.device:
@@ -142,16 +140,17 @@ class Policy:
         sums: dict[str, float] = {}
         total_tokens = 0
         self.progress.update(0, len(plan.steps))
-        skipped = 0.0
+        skipped = 0
         for done, indices in enumerate(plan.steps, start=1):
-            metrics, tokens = self._optimizer_step([prepared[i] for i in indices], temperature)
-            skipped += metrics.pop(SKIPPED_STEPS)
+            metrics, tokens, stepped = self._optimizer_step([prepared[i] for i in indices], temperature)
+            skipped += not stepped
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value * tokens
             total_tokens += tokens
             self.progress.update(done, len(plan.steps))
         averaged = {key: value / max(total_tokens, 1) for key, value in sums.items()}
-        return averaged | {SKIPPED_STEPS: skipped} | corr_metrics
+        # A count of optimizer steps left out for want of a gradient, not a token mean.
+        return averaged | {"actor/n_skipped_steps": float(skipped)} | corr_metrics
 
     def _my_share(self, samples: Sequence[Sample]) -> tuple[list[int], int]:
         """This rank's indices of `samples` and the number of micro-batches every rank runs
@@ -211,8 +210,9 @@ class Policy:
             computed.update(part)
         return [(sample, {"old_logprobs": computed[i].to(self.device)}) for i, sample in enumerate(samples)]
 
-    def _optimizer_step(self, chunk: list[Prepared], temperature: float) -> tuple[dict[str, float], int]:
-        """One optimizer step on the mini-batch `chunk`, this rank taking its share by tokens."""
+    def _optimizer_step(self, chunk: list[Prepared], temperature: float) -> tuple[dict[str, float], int, bool]:
+        """One optimizer step on the mini-batch `chunk`, this rank taking its share by tokens:
+        its metrics, its loss-token count, and whether the step was taken."""
         actor = self.config.actor_rollout_ref.actor
         size = actor.ppo_micro_batch_size
         parts = balanced_split([len(sample) for sample, _ in chunk], self.world.size)
@@ -237,13 +237,15 @@ class Policy:
                 for key, value in metrics.items():
                     if isinstance(value, (int, float)) and math.isfinite(value):
                         sums[key] = sums.get(key, 0.0) + float(value) * part_tokens
-        grad_norm = sharding.full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), actor.grad_clip))
+        grad_norm = float(
+            sharding.full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), actor.grad_clip))
+        )
         # No gradient (every advantage 0: each group's rewards alike), or a broken one: no step.
         # Adam would still move every weight along its momentum, a full-size step in an old
         # direction, and four such steps in a row collapsed a calc run's policy (measured).
         # The norm is the whole model's, so every rank decides alike.
-        skipped = not math.isfinite(float(grad_norm)) or float(grad_norm) == 0.0
-        if not skipped:
+        stepped = math.isfinite(grad_norm) and grad_norm != 0.0
+        if stepped:
             self.optimizer.step()
         if self.world.distributed:
             totals: dict[str, float] = {}
@@ -252,10 +254,9 @@ class Policy:
                     totals[key] = totals.get(key, 0.0) + value
             sums = totals
         result = {key: value / max(n_tokens, 1) for key, value in sums.items()}
-        result["actor/grad_norm"] = float(grad_norm)
+        result["actor/grad_norm"] = grad_norm
         result["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        result[SKIPPED_STEPS] = float(skipped)
-        return result, n_tokens
+        return result, n_tokens, stepped
 
     def _micro_batch_loss(self, part: list[Prepared], temperature: float) -> tuple[torch.Tensor, dict[str, float], int]:
         """The PPO loss (token-mean over `part`), its metrics and its count of loss tokens."""
