@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -190,16 +189,9 @@ def start_floor(stack: ExitStack, upstream: str) -> Gateway:
         preexec_fn=die_with_parent,
     )
     stack.callback(kill_group, process)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the relay floor did not start (exit code {process.poll()})") from None
-            time.sleep(0.1)
-    return Gateway("floor", f"http://127.0.0.1:{port}", process.pid, {}, lambda rid: {}, [], relay_only=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, process=process)
+    return Gateway("floor", url, process.pid, {}, lambda rid: {}, [], relay_only=True)
 
 
 def start_agent_lightning(stack: ExitStack, python: str, upstream: str, folder: str) -> Gateway:

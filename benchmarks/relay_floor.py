@@ -2,9 +2,10 @@
 
 It runs as its own process on uvloop with httptools (what Rollover's gateway runs on) and
 passes each POST's body to the upstream and the answer back, over one kept-alive upstream
-connection per client connection. No routing, auth, JSON, pause state or store. The overhead
-benchmark (`gateway_overhead.py --floor`) measures it beside the real gateway: its added latency is
-what two more loopback hops and a process on the path cost before the gateway does any work.
+connection per client connection; any other request gets `200 {}` (a readiness check). No
+routing, auth, JSON, pause state or store. The overhead benchmark (`gateway_overhead.py
+--floor`) measures it beside the real gateway: its added latency is what two more loopback
+hops and a process on the path cost before the gateway does any work.
 
 Usage: python benchmarks/relay_floor.py --port 8100 --upstream http://127.0.0.1:8000/v1
 """
@@ -81,6 +82,10 @@ class _Relay(asyncio.Protocol):
     def on_message_complete(self) -> None:
         body = b"".join(self.body)
         self.body.clear()
+        if self.parser.get_method() != b"POST":  # the readiness probe (`wait_healthy`), before any load
+            assert self.transport is not None
+            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+            return
         if self.upstream is None:
             self.pending.append(body)
         else:
