@@ -200,7 +200,8 @@ def start_agent_lightning(stack: ExitStack, python: str, upstream: str, folder: 
     overrides = [f"port={port}", "host=127.0.0.1", f"key={KEY}", f"default_proxy.model_name={MODEL}"]
     hydra = [f"hydra.run.dir={folder}/agl", "hydra.output_subdir=null"]
     process = subprocess.Popen(
-        [python, "-m", "agentlightning.server", *overrides, *hydra],
+        # absolute (it runs in `folder`), but not resolved: a venv's python is a link to its base
+        [os.path.abspath(python), "-m", "agentlightning.server", *overrides, *hydra],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

@@ -16,7 +16,6 @@ read while the gateway runs.
 from __future__ import annotations
 
 import asyncio
-import os
 import sqlite3
 import threading
 import time
@@ -51,6 +50,7 @@ from rollover.store.models import (
     TerminalRolloutsPage,
     Triplet,
     TripletBundle,
+    new_rollout_id,
 )
 from rollover.store.rows import (
     attempts_of,
@@ -312,7 +312,7 @@ class RolloutStore:
         for item in items:
             config = item.config.model_dump_json() if item.config.model_fields_set else _DEFAULT_CONFIG_JSON
             row = (
-                item.rollout_id or f"r-{os.urandom(16).hex()}",  # as random as uuid4, 5x cheaper
+                item.rollout_id or new_rollout_id(),
                 _encode(item.input, "input"),
                 int(item.is_train),
                 config,

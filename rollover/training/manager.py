@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollover.metrics.progress import WindowStatus
-from rollover.store.models import RolloutState
+from rollover.store.models import RolloutState, new_rollout_id
 
 
 @dataclass
@@ -96,9 +95,9 @@ def group_by_data_id(rollouts: Iterable[TrackedRollout]) -> dict[str, list[Track
 
 
 def new_group(prompt: Prompt, n: int, step: int) -> list[TrackedRollout]:
-    group_tag = uuid.uuid4().hex[:12]
+    group_tag = new_rollout_id()  # made in order, as the store's own ids are (see there)
     return [
-        TrackedRollout(rollout_id=f"r-{group_tag}-{i}", data_id=prompt.data_id, input=prompt.input, enqueued_step=step)
+        TrackedRollout(rollout_id=f"{group_tag}-{i}", data_id=prompt.data_id, input=prompt.input, enqueued_step=step)
         for i in range(n)
     ]
 

@@ -285,3 +285,20 @@ def test_a_file_made_with_autoincrement_event_ids_goes_on_after_its_highest(tmp_
 
     assert run(one_event()) == 42
     store.close()
+
+
+def test_generated_rollout_ids_are_unique_and_in_the_order_they_were_made(store):
+    """Made in order so a batch's inserts land at the end of the rollout-id index (see
+    `new_rollout_id`); ids of one millisecond differ by their random part."""
+
+    async def scenario():
+        first = await store.add_rollouts([RolloutCreate(input=i) for i in range(64)])
+        await asyncio.sleep(0.002)  # the next batch is made in a later millisecond
+        second = await store.add_rollouts([RolloutCreate(input=i) for i in range(64)])
+        return [r.rollout_id for r in first], [r.rollout_id for r in second]
+
+    first, second = run(scenario())
+    ids = first + second
+    assert len(set(ids)) == 128
+    assert all(len(i) == 34 and i.startswith("r-") and int(i[2:], 16) >= 0 for i in ids)
+    assert max(first) < min(second)
