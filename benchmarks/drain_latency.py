@@ -134,7 +134,7 @@ class Report:
 async def running_rollout(client: GatewayClient) -> str:
     """One rollout in the running state (attempt a1), whose proxy path every call uses."""
     [rollout] = await client.enqueue([{"input": {}}])
-    await client.update_status(rollout.rollout_id, state="running")
+    await client.update_status(rollout.rollout_id, state="running", last_attempt_id="a1")
     return rollout.rollout_id
 
 

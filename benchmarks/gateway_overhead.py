@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from rollover.config import GatewaySettings  # noqa: E402
-from rollover.gateway.auth import scoped_key  # noqa: E402
+from rollover.gateway.keys import scoped_key  # noqa: E402
 from rollover.gateway.server import GatewayProcess, free_port, resolve, wait_healthy  # noqa: E402
 from rollover.processes import die_with_parent, kill_group  # noqa: E402
 

@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.gateway_overhead import ATTEMPT, CHAT, KEY, MODEL, json_headers, start_stub  # noqa: E402
-from rollover.gateway.auth import scoped_key  # noqa: E402
+from rollover.gateway.keys import scoped_key  # noqa: E402
 from rollover.processes import die_with_parent, free_port, kill_group  # noqa: E402
 
 # (stage, from mark, to mark), in a call's order
@@ -69,7 +69,7 @@ def serve_with_probes(port: int, store: str, report: str) -> None:
     from uvicorn.protocols.http import httptools_impl
 
     from rollover.config import GatewaySettings
-    from rollover.gateway import app, connections, upstream
+    from rollover.gateway import asgi, connections, upstream
     from rollover.gateway.server import build_server, resolve
     from rollover.store import sqlite
 
@@ -101,13 +101,13 @@ def serve_with_probes(port: int, store: str, report: str) -> None:
 
     probe(connections.BoundedHttpToolsProtocol, "on_message_begin", "begin")
     probe(connections.BoundedHttpToolsProtocol, "on_message_complete", "parsed", after=True)
-    serve_app = app.GatewayApp.__call__
+    serve_app = asgi.GatewayApp.__call__
 
     async def probed_app(self: Any, scope: Any, receive: Any, send: Any) -> None:  # uvicorn reads this signature
         marks["handler"] = clock()
         await serve_app(self, scope, receive, send)
 
-    app.GatewayApp.__call__ = probed_app  # type: ignore[method-assign]
+    asgi.GatewayApp.__call__ = probed_app  # type: ignore[method-assign]
     probe(upstream._Connection, "send", "engine_sent", after=True)
     probe(upstream._Connection, "data_received", "engine_answered")  # the last piece's arrival
     async_probe(sqlite.RolloutStore, "record_event", "record")

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -51,8 +52,10 @@ def build_tiny(folder: Path, hidden: int, layers: int) -> Path:
     return folder
 
 
-def synthetic_batch(n: int, length: int, vocab: int, seed: int = 0) -> list:
-    from rollover.training.samples import Sample
+def synthetic_batch(n: int, length: int, vocab: int, seed: int = 0) -> Any:
+    """`n` samples of random tokens and uneven lengths, one rollout each, in groups of 4 whose
+    rewards alternate 0, 1 (so every advantage is non-zero)."""
+    from rollover.training.samples import RolloutScore, Sample, UpdateBatch
 
     rng = random.Random(seed)
     samples = []
@@ -61,10 +64,8 @@ def synthetic_batch(n: int, length: int, vocab: int, seed: int = 0) -> list:
         prompt = size // 4
         ids = [rng.randrange(3, vocab) for _ in range(size)]
         mask = [0] * prompt + [1] * (size - prompt)
-        sample = Sample(f"r{i}", f"g{i // 4}", ids, mask, [float("nan")] * size, [0] * size, reward=0.0)
-        sample.advantage = 1.0 if i % 2 else -1.0
-        samples.append(sample)
-    return samples
+        samples.append(Sample(f"r{i}", f"g{i // 4}", ids, mask, [float("nan")] * size, [0] * size, reward=i % 2))
+    return UpdateBatch(samples, [RolloutScore(s.rollout_id, s.group_id, s.reward) for s in samples])
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -86,13 +87,14 @@ def rank_main(args: argparse.Namespace) -> None:
         ],
     )
     device = world.device(config.trainer.device)
-    world.init_process_group(device)
+    world.init_process_group(device, timeout_s=config.trainer.nccl_timeout)
     policy = Policy(args.model, config, world)
-    samples = synthetic_batch(args.samples, args.length, len(policy.tokenizer))
+    batch = synthetic_batch(args.samples, args.length, len(policy.tokenizer))
+    samples = batch.samples
     tokens = sum(len(s) for s in samples)
     seconds = []
     for repeat in range(args.repeats + 1):
-        plan = policy.plan(samples, random.Random(repeat))
+        plan = policy.plan(batch, random.Random(repeat), lr=config.actor_rollout_ref.actor.optim.lr)
         if device.type == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()

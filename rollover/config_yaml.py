@@ -16,7 +16,7 @@ from rollover.config import RolloverConfig
 
 DEFAULTS_HEADER = """\
 # Rollover's defaults: every key a user can set, with its default and what it means.
-# GENERATED from the models in rollover/config.py by `rollover config defaults`: edit those.
+# GENERATED from the models in rollover/config/ by `rollover config defaults`: edit those.
 # A run's YAML and command-line `key=value` overrides are merged on top; unknown keys are an error.
 """
 _COMMENT_COLUMN = 34

@@ -117,7 +117,7 @@ async def _run(
     from rollover.distributed.commands import Hello, LeaderPolicy, LeaderWeightSync
     from rollover.engine.pool import node_engines, register_all, wait_all_ready
     from rollover.engine.watchdog import EngineWatchdog
-    from rollover.engine.weight_sync import EngineWeightSync
+    from rollover.engine.weight_sync import engine_weight_sync
     from rollover.gateway.client import GatewayClient
     from rollover.gateway.server import GatewayDied, GatewayProcess, GatewayWatchdog
     from rollover.metrics import MetricsLogger
@@ -136,7 +136,8 @@ async def _run(
     checkpoint = latest_checkpoint(run_dir) if config.resume else None
     if config.resume and checkpoint is None:
         print(f"resume=true but {run_dir} has no checkpoint: starting from the beginning", file=sys.stderr)
-    if checkpoint is not None:
+    if checkpoint is not None and not config.actor_rollout_ref.model.lora:
+        # With LoRA the checkpoint's model is the adapter: the base stays the configured one.
         model_path = str(checkpoint / "model")
     (run_dir / "config.yaml").write_text(dump_config(config))
 
@@ -178,7 +179,7 @@ async def _run(
             shared_engine.attach_gateway(gateway.url, admin_key)  # not the previous run's gateway
             await shared_engine.load_weights(model_path, version=0)
         locks = [asyncio.Lock() for _ in engines]
-        weight_sync: Any = EngineWeightSync(engines, run_dir / "weights" / f"node{world.node_rank}", locks)
+        weight_sync: Any = engine_weight_sync(config, engines, run_dir / "weights" / f"node{world.node_rank}", locks)
         trainer_policy: Any = policy
         if channel is not None:
             trainer_policy, weight_sync = LeaderPolicy(policy, channel), LeaderWeightSync(weight_sync, channel)
@@ -204,8 +205,12 @@ async def _run(
                     file=sys.stderr,
                 )
             await register_all(engines, gateway_url, admin_key, trainer.policy_version)
-            if world.distributed:
-                await asyncio.to_thread(_barrier)  # every node's engines serve
+            if channel is not None:
+                await asyncio.to_thread(channel.barrier)  # every node's engines serve
+            if config.actor_rollout_ref.model.lora:
+                # The engines serve the policy's adapter from the first call: a fresh one (the
+                # base's answers), lora_adapter_path's, or a resumed run's.
+                await weight_sync.sync(trainer_policy, trainer.policy_version)
             max_restarts = config.actor_rollout_ref.rollout.max_engine_restarts
             watchdogs = [
                 EngineWatchdog(engine, lock, max_restarts=max_restarts).run() for engine, lock in zip(engines, locks)
@@ -254,12 +259,6 @@ async def _until_first_done(main: Any, *guards: Any) -> Any:
         if failure is not None:
             raise failure
     return main_task.result()
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    dist.barrier()
 
 
 def _checkpoint_version(checkpoint: Path | None) -> int:

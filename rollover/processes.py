@@ -185,3 +185,41 @@ def kill_group(process: subprocess.Popen, grace: float = 5.0) -> None:
         process.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
+
+
+def stop_supervised_group(process: subprocess.Popen, timeout: float) -> bool:
+    """Stop a child that leads its own process group and stops the rest itself (a supervisor,
+    started with `start_new_session=True`): SIGTERM to the leader alone (signalling the whole
+    group at once makes its members race and log errors), SIGKILL to the group and to any
+    descendant that left it after `timeout` seconds, then reap. True if it was gone in time."""
+    pgid = process.pid  # start_new_session: the leader's pid is the group id
+    family = descendant_pids(process.pid) | {process.pid}
+
+    def gone() -> bool:
+        return not group_alive(pgid) and not any(pid_alive(p) for p in family)
+
+    try:
+        os.kill(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + timeout
+    while not gone() and time.monotonic() < deadline:
+        process.poll()
+        time.sleep(0.1)
+    in_time = gone()
+    signal_group(pgid, signal.SIGKILL)
+    for pid in family:
+        if pid_alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    # Grandchildren are reaped by init; wait briefly so callers see them gone.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not gone():
+        time.sleep(0.05)
+    return in_time

@@ -146,6 +146,22 @@ def model_warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def model_merge(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rollover.training import lora
+
+    given = Path(args.checkpoint)
+    adapter = next((d for d in (given, given / "model") if lora.is_adapter(d)), None)
+    if adapter is None:
+        raise UsageError(f"{given} holds no LoRA adapter (no {lora.ADAPTER_CONFIG} in it or in {given / 'model'})")
+    try:
+        print(lora.merge(adapter, args.out))
+    except FileNotFoundError as exc:
+        raise UsageError(str(exc)) from None
+    return 0
+
+
 def simulate(args: argparse.Namespace) -> int:
     from rollover.simulate.cli import main as simulate_main
 

@@ -90,6 +90,16 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("--batch-size", type=int, default=16)
     warm.add_argument("--seed", type=int, default=0)
     warm.set_defaults(run=commands.model_warmup)
+    merge = model_sub.add_parser(
+        "merge",
+        help="a LoRA run's checkpoint as one plain Hugging Face model (base + adapter merged)",
+        description="Merge the LoRA adapter of a checkpoint (RUN_DIR/checkpoints/step_N, or its model/ folder, "
+        "or any PEFT adapter folder) into the base model its adapter_config.json names; the result loads "
+        "in transformers or vLLM without PEFT.",
+    )
+    merge.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N (or a PEFT adapter folder)")
+    merge.add_argument("--out", required=True, help="folder for the merged model")
+    merge.set_defaults(run=commands.model_merge)
 
     simulate = sub.add_parser("simulate", help="capacity planner: pick async_train_batch_size")
     simulate.add_argument("args", nargs=argparse.REMAINDER)

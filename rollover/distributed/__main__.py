@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging()
     device = world.device(config.trainer.device)
-    world.init_process_group(device)
+    world.init_process_group(device, timeout_s=config.trainer.nccl_timeout)
     try:
         if world.is_leader:
             from rollover.launch import run_training_reporting_errors

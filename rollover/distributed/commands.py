@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rollover.engine.weight_sync import EngineWeightSync
+from rollover.distributed.world import COMMAND_TIMEOUT
+from rollover.engine.weight_sync import EngineAdapterSync, EngineWeightSync
 from rollover.training.policy import Policy, UpdatePlan
-from rollover.training.samples import Sample
+from rollover.training.samples import UpdateBatch
 
 
 @dataclass
@@ -72,15 +72,27 @@ Command = Hello | Update | BeforeUpdate | SyncWeights | SaveModel | SaveTraining
 
 
 class CommandChannel:
-    """Broadcast from rank 0 (gloo or NCCL: objects are pickled by torch)."""
+    """Broadcast from rank 0 over a gloo group of its own (objects are pickled by torch), which
+    waits up to `COMMAND_TIMEOUT`: the other ranks wait here through rank 0's rollouts, which
+    the training collectives' timeout (trainer.nccl_timeout) is not meant to cover.
+
+    Every rank builds its channel at the same point, before any other group (a collective)."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
 
     def send(self, command: Command) -> None:
-        dist.broadcast_object_list([command], src=0)
+        dist.broadcast_object_list([command], src=0, group=self.group)
 
     def receive(self) -> Command:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+    def barrier(self) -> None:
+        """Wait for every rank with the channel's patience: for the engines of all nodes to
+        start or reload, which no training collective covers."""
+        dist.barrier(group=self.group)
 
 
 class LeaderPolicy:
@@ -100,8 +112,8 @@ class LeaderPolicy:
     def progress(self, value: Any) -> None:
         self.local.progress = value
 
-    def update(self, samples: Sequence[Sample], rng: random.Random) -> dict[str, float]:
-        plan = self.local.plan(samples, rng)
+    def update(self, batch: UpdateBatch, rng: random.Random, *, lr: float, kl_coef: float = 0.0) -> dict[str, float]:
+        plan = self.local.plan(batch, rng, lr=lr, kl_coef=kl_coef)
         self.channel.send(Update(plan))
         return self.local.run_update(plan)
 
@@ -120,12 +132,15 @@ class LeaderPolicy:
     def full_state_dict(self, *, keep: bool) -> dict[str, torch.Tensor]:
         return self.local.full_state_dict(keep=keep)
 
+    def save_adapter(self, directory: str | Path, *, write: bool) -> None:
+        self.local.save_adapter(directory, write=write)  # gathering is announced by SyncWeights
+
 
 class LeaderWeightSync:
     """Rank 0's `WeightSync`: every node's leader reloads its own engines from the weights
     it assembled; rank 0 returns once all of them have (a barrier)."""
 
-    def __init__(self, local: EngineWeightSync, channel: CommandChannel) -> None:
+    def __init__(self, local: EngineWeightSync | EngineAdapterSync, channel: CommandChannel) -> None:
         self.local = local
         self.channel = channel
 
@@ -136,4 +151,4 @@ class LeaderWeightSync:
     async def sync(self, policy: LeaderPolicy, version: int) -> None:
         self.channel.send(SyncWeights(version))
         await self.local.sync(policy, version)  # gathering the weights is announced by SyncWeights
-        await asyncio.to_thread(dist.barrier)
+        await asyncio.to_thread(self.channel.barrier)

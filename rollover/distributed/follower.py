@@ -12,8 +12,6 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch.distributed as dist
-
 from rollover.config import RolloverConfig
 from rollover.distributed.commands import (
     BeforeUpdate,
@@ -30,7 +28,7 @@ from rollover.distributed.world import World
 from rollover.engine.pool import node_engines, register_all, wait_all_ready
 from rollover.engine.vllm_engine import VLLMEngine
 from rollover.engine.watchdog import EngineWatchdog
-from rollover.engine.weight_sync import EngineWeightSync
+from rollover.engine.weight_sync import engine_weight_sync
 from rollover.training.policy import Policy
 
 log = logging.getLogger("rollover.distributed")
@@ -85,8 +83,8 @@ def follow(config: RolloverConfig, world: World) -> int:
                     engine, lock, max_restarts=config.actor_rollout_ref.rollout.max_engine_restarts
                 )
                 watchdogs.append(asyncio.run_coroutine_threadsafe(watchdog.run(), node.loop))
-        dist.barrier()  # every node's engines serve: rank 0 starts rollouts
-        weight_sync = EngineWeightSync(engines, run_dir / "weights" / f"node{world.node_rank}", locks)
+        channel.barrier()  # every node's engines serve: rank 0 starts rollouts
+        weight_sync = engine_weight_sync(config, engines, run_dir / "weights" / f"node{world.node_rank}", locks)
         while True:
             _raise_if_an_engine_is_lost(watchdogs)
             command = channel.receive()
@@ -98,7 +96,7 @@ def follow(config: RolloverConfig, world: World) -> int:
                 node.run(weight_sync.before_update())
             elif isinstance(command, SyncWeights):
                 node.run(weight_sync.sync(policy, command.version))
-                dist.barrier()
+                channel.barrier()
             elif isinstance(command, SaveModel):
                 policy.save(command.directory)
             elif isinstance(command, SaveTrainingState):

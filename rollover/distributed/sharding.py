@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -79,20 +79,41 @@ def _one_process_is_intended() -> Iterator[None]:
         yield
 
 
-def save_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+def _training_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool
+) -> tuple[dict[str, Any], dict[str, Any], StateDictOptions | None]:
+    """The model's and optimizer's state dicts (DCP's names), and the options that set them
+    back. `trainable_only` (LoRA): the frozen base is the model the run started from, not
+    training state; a tied weight slips through `ignore_frozen_params`, so it goes by name."""
+    if not trainable_only:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        return model_state, optim_state, None
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    trainable = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {k: v for k, v in model_state.items() if k in trainable}, optim_state, options
+
+
+def save_training_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path, *, trainable_only: bool = False
+) -> None:
     """Model and optimizer, each rank writing its own shards (`torch.distributed.checkpoint`);
-    `load_training_state` reads them back on any number of ranks."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    `load_training_state` reads them back on any number of ranks. `trainable_only`: the
+    parameters that train (a LoRA adapter) and their optimizer state, not the frozen ones."""
+    model_state, optim_state, _ = _training_state(model, optimizer, trainable_only)
     with _one_process_is_intended():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
 
 
-def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """Reshards as needed: a checkpoint saved by 2 ranks loads on 1, and the other way round."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+def load_training_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path, *, trainable_only: bool = False
+) -> None:
+    """Reshards as needed: a checkpoint saved by 2 ranks loads on 1, and the other way round.
+    Every key saved with the same `trainable_only` must be in the checkpoint."""
+    model_state, optim_state, options = _training_state(model, optimizer, trainable_only)
     with _one_process_is_intended():
         dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))  # in place
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options)
 
 
 def all_gather_objects(value: Any) -> list[Any]:

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# Rank 0 may spend a long time in rollouts while the other ranks wait on its next command.
+# Rank 0 may spend a long time in rollouts while the other ranks wait on its next command:
+# the command channel's group waits this long (the training collectives: trainer.nccl_timeout).
 COMMAND_TIMEOUT = datetime.timedelta(hours=6)
 
 
@@ -64,13 +65,17 @@ class World:
             return torch.device("cuda", self.local_rank)
         return torch.device(setting)
 
-    def init_process_group(self, device: torch.device) -> None:
-        """NCCL between GPUs, gloo on CPU; a no-op for one rank."""
+    def init_process_group(self, device: torch.device, *, timeout_s: float) -> None:
+        """The training collectives' group: NCCL between GPUs, gloo on CPU, each collective
+        failing after `timeout_s` (trainer.nccl_timeout); a no-op for one rank. Waiting on
+        rank 0's commands has a group of its own (`CommandChannel`)."""
         if not self.distributed or dist.is_initialized():
             return
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=COMMAND_TIMEOUT)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+        )
 
     def shutdown(self) -> None:
         if dist.is_initialized():

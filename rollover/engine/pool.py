@@ -20,8 +20,10 @@ def node_engines(config: RolloverConfig, model_path: str | Path, run_dir: Path, 
     engines = []
     for index in range(config.engines_per_node):
         name = f"node{world.node_rank}-engine{index}"
-        env: dict[str, str] = {}
-        extra = list(rollout.vllm_flags())
+        lora_rank = config.actor_rollout_ref.model.lora_rank
+        # LoRA: adapters are loaded and unloaded at runtime, one per policy version.
+        env: dict[str, str] = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora_rank > 0 else {}
+        extra = rollout.vllm_flags(lora_rank)  # enforce_eager among them
         if tp > 1:
             extra += ["--tensor-parallel-size", str(tp)]
         if device == "cuda":
@@ -36,12 +38,12 @@ def node_engines(config: RolloverConfig, model_path: str | Path, run_dir: Path, 
                 kv_cache_space_gb=rollout.kv_cache_space_gb,
                 gpu_memory_utilization=rollout.gpu_memory_utilization if device == "cuda" else None,
                 extra_args=extra,
-                tool_call_parser=rollout.tool_call_parser,
-                enforce_eager=rollout.enforce_eager,
+                tool_call_parser=rollout.tool_call_parser_setting,
                 log_path=run_dir / ("engine.log" if index == 0 and world.node_rank == 0 else f"{name}.log"),
                 start_timeout_s=rollout.start_timeout_seconds,
                 device="cuda" if device == "cuda" else "cpu",
                 env=env,
+                keep_requests=config.agentlightning.async_rollout.partial_rollout,
             )
         )
     return engines

@@ -2,13 +2,14 @@
 
 The server runs with `VLLM_SERVER_DEV_MODE=1`, which exposes the management endpoints we
 use for weight sync: `POST /collective_rpc` (method `rollover_reload_weights` from our
-worker extension, or vLLM's own `reload_weights`), `POST /reset_prefix_cache`, and on GPU
-`POST /sleep` / `POST /wake_up`. The process tree: a small supervisor (process-group
+worker extension, or vLLM's own `reload_weights`), `POST /reset_prefix_cache`, on GPU
+`POST /sleep` / `POST /wake_up`, and for partial rollout `POST /pause?mode=keep` /
+`POST /resume` (vLLM's RL endpoints: requests frozen in the scheduler across a weight load). The process tree: a small supervisor (process-group
 leader, `rollover.engine.supervisor`) -> vLLM API server -> engine core -> worker.
 
-Just over 600 lines on purpose: start, restart, weight loads and the gateway registration all
-read and change one engine's state (its port, process, weights and policy version); split,
-each half would reach into the other's fields.
+About 670 lines on purpose: start, restart, weight loads (drained, frozen, or a LoRA adapter) and the
+gateway registration all read and change one engine's state (its port, process, sleep level,
+weights and policy version); split, each half would reach into the other's fields.
 """
 
 from __future__ import annotations
@@ -32,15 +33,7 @@ import httpx
 
 from rollover.engine.tool_calls import resolve_tool_call_parser
 from rollover.gateway.client import GatewayClient, GatewayError, NotFoundError, is_transient
-from rollover.processes import (
-    child_pids,
-    descendant_pids,
-    free_port,
-    group_alive,
-    pid_alive,
-    port_taken,
-    tail_lines,
-)
+from rollover.processes import child_pids, free_port, port_taken, stop_supervised_group, tail_lines
 from rollover.retry import RetryPolicy, call_with_retries
 
 log = logging.getLogger(__name__)
@@ -111,6 +104,7 @@ class VLLMEngine:
         logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "processed_logprobs",
         tool_call_parser: str | None = "auto",
         worker_in_engine_core: bool | None = None,
+        keep_requests: bool = False,
     ) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -154,6 +148,9 @@ class VLLMEngine:
         # backend has nothing to free, so it is off there.
         self.enable_sleep_mode = (device == "cuda") if enable_sleep_mode is None else enable_sleep_mode
         self.extra_env = dict(env or {})
+        # Partial rollout: a weight load freezes the requests in flight and continues them with
+        # the new weights (vLLM's pause with mode=keep) instead of expecting none in flight.
+        self.keep_requests = keep_requests
         # Our worker extension fixes tied LM heads after a reload (see
         # RolloverWorkerExtension); a caller that brings its own extension loses that.
         self.worker_extension = worker_extension and "--worker-extension-cls" not in self.extra_args
@@ -164,6 +161,10 @@ class VLLMEngine:
         self.log_path = Path(log_path)
         self.policy_version = 0
         self.weights_dir: Path = self.model_dir
+        # LoRA: the adapter served as the policy (a name per version) and its folder; the
+        # gateway rewrites every proxied call's model to the name.
+        self.adapter_name: str | None = None
+        self.adapter_dir: Path | None = None
         self.gateway_url: str | None = None
         self._gateway_key: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -375,6 +376,9 @@ class VLLMEngine:
                 await client.remove_model(served_before)
         if self.weights_dir != self.model_dir:
             await self.load_weights(self.weights_dir, version=self.policy_version)
+        elif self.adapter_dir is not None:
+            self.adapter_name = None  # the new server has no adapter loaded
+            await self.load_adapter(self.adapter_dir, version=self.policy_version)
         elif self.gateway_url is not None:
             await self.register_with_gateway(self.gateway_url, self._gateway_key or "")
         return time.monotonic() - started
@@ -384,48 +388,14 @@ class VLLMEngine:
         engine and workers, then sweeps the process group); SIGKILL to the group for
         whatever is left after `grace_s` (default `stop_grace_s`) plus the sweep wait.
 
-        Idempotent. Also kills descendants that left the group (vLLM's processes stay
-        in it today; this is a guard, not a known case).
+        Idempotent (see `stop_supervised_group`).
         """
         grace_s = self.stop_grace_s if grace_s is None else grace_s
         with self._lock:
             proc, self._proc = self._proc, None
-            if proc is not None:
-                pgid = proc.pid  # start_new_session: the leader's pid is the group id
-                family = descendant_pids(proc.pid) | {proc.pid}
-                # The supervisor stops the API server, which shuts its engine and
-                # workers down in order (signalling the whole group at once makes them
-                # race and log errors), then sweeps the group; SIGKILL is the fallback.
-                try:
-                    os.kill(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-                deadline = time.monotonic() + grace_s + 3  # the supervisor's own sweep wait
-                while time.monotonic() < deadline:
-                    proc.poll()
-                    if not group_alive(pgid) and not any(pid_alive(p) for p in family):
-                        break
-                    time.sleep(0.1)
-                else:
-                    log.warning("vLLM did not exit within %.0f s of SIGTERM; killing", grace_s)
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                for p in family:
-                    if pid_alive(p):
-                        try:
-                            os.kill(p, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    log.error("vLLM pid %d did not exit after SIGKILL", proc.pid)
-                # Grandchildren are reaped by init; wait briefly so callers see them gone.
-                deadline = time.monotonic() + 5
-                while time.monotonic() < deadline and (group_alive(pgid) or any(pid_alive(p) for p in family)):
-                    time.sleep(0.05)
+            # 3 s more: the supervisor's own sweep wait.
+            if proc is not None and not stop_supervised_group(proc, grace_s + 3):
+                log.warning("vLLM did not exit within %.0f s of SIGTERM; killed", grace_s)
             if self._log_file is not None:
                 self._log_file.close()
                 self._log_file = None
@@ -503,17 +473,57 @@ class VLLMEngine:
 
         Then reset the prefix cache, set `policy_version` to `version` (default: +1), and
         re-register with the attached gateway. Traffic should be drained first: requests
-        running during the reload may mix old and new weights. If the engine sleeps
-        (GPU), the weights are woken first and the KV cache after. Returns the version.
+        running during the reload may mix old and new weights (with `keep_requests` they are
+        frozen instead: see `_load_keeping_requests`). If the engine sleeps (GPU), the weights
+        are woken first and the KV cache after. Returns the version.
         Raises `EngineError` if vLLM refuses the reload (version unchanged), and
         `GatewayRegistrationError` if only the re-registration failed (version bumped).
         """
         wdir = Path(weights_dir).absolute()
         if not any(wdir.glob("*.safetensors")):
             raise EngineError(f"no *.safetensors in {wdir}")
+        self.adapter_name = self.adapter_dir = None  # whole weights: the base is the policy again
+        if self.keep_requests:
+            return await self._load_keeping_requests(wdir, version)
         sleeping = self._sleep_level > 0
         if sleeping:
             await self.wake_up(tags=["weights"])
+        await self._reload(wdir)
+        if sleeping:
+            await self.wake_up(tags=["kv_cache"])
+        await self.reset_prefix_cache()
+        self.weights_dir = wdir
+        self.policy_version = self.policy_version + 1 if version is None else int(version)
+        if self.gateway_url is not None:
+            await self.register_with_gateway(self.gateway_url, self._gateway_key or "")
+        return self.policy_version
+
+    async def load_adapter(self, adapter_dir: str | Path, *, version: int) -> str:
+        """LoRA: serve the PEFT adapter in `adapter_dir` as the policy at `version`, under a
+        name of its own (`{served_model_name}-v{version}`, vLLM's runtime `/v1/load_lora_adapter`;
+        the base weights stay), re-register with the attached gateway (which then sends every
+        call to that name), and unload the adapter served before, so a long run never runs
+        out of LoRA slots. Traffic should be drained first, as for `load_weights`. Returns
+        the name."""
+        adir = Path(adapter_dir).absolute()
+        if self._sleep_level > 0:
+            await self.wake_up()
+        name = f"{self.served_model_name}-v{version}"
+        await self._post(
+            "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adir), "load_inplace": True}
+        )
+        previous, self.adapter_name, self.adapter_dir = self.adapter_name, name, adir
+        self.policy_version = int(version)
+        if self.gateway_url is not None:
+            await self.register_with_gateway(self.gateway_url, self._gateway_key or "")
+        if previous is not None and previous != name:
+            async with httpx.AsyncClient(timeout=60.0, trust_env=False) as client:
+                resp = await client.post(f"{self.server_url}/v1/unload_lora_adapter", json={"lora_name": previous})
+            if resp.status_code >= 400:  # not fatal: the slot is taken back when vLLM needs it
+                log.warning("unloading LoRA adapter %s: HTTP %d %s", previous, resp.status_code, resp.text[:200])
+        return name
+
+    async def _reload(self, wdir: Path) -> None:
         method = "rollover_reload_weights" if self.worker_extension else "reload_weights"
         resp = await self._post(
             "/collective_rpc",
@@ -525,27 +535,66 @@ class VLLMEngine:
             self.last_reload = resp.json()["results"][0]
         except (ValueError, KeyError, IndexError, TypeError):
             self.last_reload = None
-        if sleeping:
-            await self.wake_up(tags=["kv_cache"])
-        await self.reset_prefix_cache()
-        self.weights_dir = wdir
-        self.policy_version = self.policy_version + 1 if version is None else int(version)
-        if self.gateway_url is not None:
-            await self.register_with_gateway(self.gateway_url, self._gateway_key or "")
+
+    async def _load_keeping_requests(self, wdir: Path, version: int | None) -> int:
+        """Partial rollout's weight load: the requests in flight are frozen, not drained.
+
+        Awake (CPU, or a GPU engine kept resident): tell the gateway the engine is frozen,
+        `POST /pause?mode=keep` (vLLM keeps every request in its scheduler and steps none),
+        reload, drop the KV cache (`reset_prefix_cache?reset_running_requests=true` preempts
+        the kept requests: their prompt and tokens so far are recomputed with the new weights
+        when they go on), register the new version (the gateway marks where each call's tokens
+        change version), `POST /resume`. Asleep (collocated GPU: `sleep` froze the requests
+        with mode=keep and dropped the KV cache): wake the weights, reload, register, wake the
+        KV cache, which resumes vLLM's scheduler. Either way the gateway knows the new version
+        before the first token it samples."""
+        asleep = self._sleep_level > 0
+        if not asleep:
+            await self._tell_gateway(frozen=True)
+            await self._post("/pause", params={"mode": "keep"})
+        try:
+            if asleep:
+                await self.wake_up(tags=["weights"])
+            await self._reload(wdir)
+            if not asleep:
+                resp = await self._post("/reset_prefix_cache", params={"reset_running_requests": "true"})
+                if resp.json().get("success") is False:
+                    raise EngineError("reset_prefix_cache with reset_running_requests failed while paused")
+            self.weights_dir = wdir
+            self.policy_version = self.policy_version + 1 if version is None else int(version)
+        finally:
+            try:
+                await self._tell_gateway(frozen=False)  # the new version, or the old after a failure
+            finally:
+                if self.is_alive():
+                    if asleep:
+                        await self.wake_up(tags=["kv_cache"])
+                    else:
+                        await self._post("/resume")
         return self.policy_version
+
+    async def _tell_gateway(self, *, frozen: bool) -> None:
+        if self.gateway_url is not None:
+            await self.register_with_gateway(self.gateway_url, self._gateway_key or "", frozen=frozen)
 
     async def sleep(self, level: int = 1) -> None:
         """Free accelerator memory during a policy update (GPU, needs sleep mode).
 
         Level 1 moves the weights to host memory and drops the KV cache; level 2 drops
         both (the next `load_weights` rewrites the weights anyway, so level 2 is the
-        usual choice for collocated training).
+        usual choice for collocated training). With `keep_requests` the requests in flight
+        are frozen, not aborted (vLLM's mode=keep; their KV cache is recomputed on wake), and
+        the gateway is told, so their time asleep does not count against their deadlines.
         """
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if not self.enable_sleep_mode:
             raise EngineError("sleep() needs the server started with sleep mode (device='cuda')")
-        await self._post("/sleep", params={"level": level})
+        if self.keep_requests:
+            await self._tell_gateway(frozen=True)
+            await self._post("/sleep", params={"level": level, "mode": "keep"})
+        else:
+            await self._post("/sleep", params={"level": level})
         self._sleep_level = level
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -592,24 +641,28 @@ class VLLMEngine:
             except (GatewayError, httpx.HTTPError) as exc:
                 log.warning("could not take %s out of the gateway's rotation: %s", self.base_url, exc)
 
-    def registration(self) -> list[dict[str, Any]]:
-        """The `POST /api/models` body for this engine (live: a registration puts it in rotation)."""
-        return [
-            {
-                "model": self.served_model_name,
-                "endpoint": self.base_url,
-                "policy_version": self.policy_version,
-            }
-        ]
+    def registration(self, *, frozen: bool = False) -> list[dict[str, Any]]:
+        """The `POST /api/models` body for this engine (live: a registration puts it in rotation;
+        `frozen`: its requests are held for a weight load)."""
+        entry: dict[str, Any] = {
+            "model": self.adapter_name or self.served_model_name,
+            "endpoint": self.base_url,
+            "policy_version": self.policy_version,
+        }
+        if frozen:
+            entry["frozen"] = True
+        return [entry]
 
-    async def register_with_gateway(self, gateway_url: str, admin_key: str, *, attempts: int = 3) -> None:
+    async def register_with_gateway(
+        self, gateway_url: str, admin_key: str, *, attempts: int = 3, frozen: bool = False
+    ) -> None:
         """Upsert this endpoint and its `policy_version` in the gateway's model registry;
         a gateway that is restarting or failing is retried, a refusal (4xx) is not."""
         async with GatewayClient(gateway_url, admin_key) as client:
             try:
                 await call_with_retries(
                     "registering the engine with the gateway",
-                    lambda: client.register_models(self.registration()),
+                    lambda: client.register_models(self.registration(frozen=frozen)),
                     RetryPolicy(is_transient, attempts=attempts),
                     log,
                 )

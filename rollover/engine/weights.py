@@ -8,10 +8,16 @@ checkpoint names (`model.layers.0.self_attn.q_proj.weight`, ...); the model's ow
 `load_weights` maps them onto vLLM's fused layers. No config.json or tokenizer is read:
 architecture, dtype and tokenizer stay those the server started with. Tied weights may be
 written once (vLLM skips `lm_head.weight` when `tie_word_embeddings` is set).
+
+Large models are written in shards of a bounded size (verl's
+`checkpoint_engine.update_weights_bucket_megabytes`), named and indexed as Hugging Face
+names them (`model-00001-of-00003.safetensors`, ..., and `model.safetensors.index.json`,
+whose `weight_map` names each tensor's file): vLLM reads exactly the files the index names.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -23,6 +29,7 @@ from pathlib import Path
 import torch
 
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def _state_dict(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
@@ -49,13 +56,30 @@ def _dedupe_shared(
     return out
 
 
+def _shards(tensors: Mapping[str, torch.Tensor], max_bytes: int | None) -> list[dict[str, torch.Tensor]]:
+    """The tensors in order, cut into groups of at most `max_bytes` each (None: one group);
+    a tensor larger than that is a group of its own."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if max_bytes is not None and shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
 def save_weights(
     model: torch.nn.Module | Mapping[str, torch.Tensor],
     out_dir: str | Path,
     *,
     dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
 ) -> Path:
-    """Save `model`'s weights as one safetensors file in `out_dir`, atomically.
+    """Save `model`'s weights as safetensors in `out_dir`, atomically: one file, or shards of at
+    most `max_shard_bytes` each with Hugging Face's index when they do not fit in one.
 
     The tensors are written into a fresh sibling temp folder that is then renamed to
     `out_dir`, so a reader (the engine) never sees a half-written file. An existing
@@ -73,12 +97,23 @@ def save_weights(
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         tensors[name] = t.to("cpu").contiguous()
+    shards = _shards(tensors, max_shard_bytes)
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         # No fsync: the engine reads through the same page cache, so the rename alone
-        # makes the file visible whole; these weights are not a crash-safe checkpoint.
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        # makes the files visible whole; these weights are not a crash-safe checkpoint.
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        else:
+            weight_map: dict[str, str] = {}
+            for number, part in enumerate(shards, start=1):
+                file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+                save_file(part, str(tmp / file), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(part, file))
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
         os.chmod(tmp, 0o755)
         if out.exists():
             # rename() cannot replace a non-empty folder: move the old one aside first.

@@ -1,38 +1,22 @@
-"""Admin and per-attempt scoped keys.
+"""The gateway's key checks on a request: the admin key, a rollout's readers, an attempt's writer.
 
-A scoped key is an HMAC of a rollout id and one of its attempt ids under the admin key: the
-gateway can check it without storing anything, it keeps working across gateway restarts, and
-it opens only that attempt. The gateway lets it write (events, proxy calls) only while its
-attempt is the rollout's running one, so an agent whose attempt ended cannot write into the
-next attempt, nor keep writing into its own.
+Keys are checked first, before the body or the query is looked at: FastAPI routes take the
+checks as dependencies, which it runs before it validates their parameters. The keys
+themselves (what a scoped key is) are in `keys`.
+
+A scoped key writes (events, proxy calls) only while its attempt is the rollout's running
+one, so an agent whose attempt ended cannot write into the next attempt, nor keep writing
+into its own.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import hmac
-import secrets
-from collections.abc import Iterable
+from fastapi import HTTPException, Request
 
-from fastapi import Request
-
-SCOPED_PREFIX = "rk-"
-# Ids the store accepts are at most this long; a longer one in a URL names no attempt, and is
-# refused before it reaches the key cache (which would otherwise keep whatever a caller sends).
-MAX_ID_LENGTH = 200
-
-
-def new_admin_key() -> str:
-    return "ak-" + secrets.token_urlsafe(24)
-
-
-@functools.lru_cache(maxsize=8192)  # checked on every agent call: one HMAC per attempt, not per call
-def scoped_key(admin_key: str, rollout_id: str, attempt_id: str) -> str:
-    """The key an agent running `attempt_id` of `rollout_id` gets (`AGL_KEY`)."""
-    message = f"{len(rollout_id)}:{rollout_id}:{attempt_id}"  # length-prefixed: no two pairs collide
-    digest = hmac.new(admin_key.encode(), message.encode(), hashlib.sha256).hexdigest()
-    return SCOPED_PREFIX + digest[:40]
+from rollover.gateway import keys
+from rollover.gateway.state import GatewayState
+from rollover.store.models import RolloutState
+from rollover.store.sqlite import RolloutNotFound
 
 
 def presented_key(request: Request) -> str | None:
@@ -44,19 +28,56 @@ def presented_key(request: Request) -> str | None:
     return request.headers.get("x-api-key") or None
 
 
-def is_admin(admin_key: str, key: str | None) -> bool:
-    return key is not None and hmac.compare_digest(key.encode(), admin_key.encode())
+def _state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
 
 
-def is_attempt_key(admin_key: str, key: str | None, rollout_id: str, attempt_id: str) -> bool:
-    """Whether `key` is the scoped key of exactly this attempt."""
-    if key is None or not key.startswith(SCOPED_PREFIX):
-        return False
-    if len(rollout_id) > MAX_ID_LENGTH or len(attempt_id) > MAX_ID_LENGTH:
-        return False
-    return hmac.compare_digest(key.encode(), scoped_key(admin_key, rollout_id, attempt_id).encode())
+def require_admin(request: Request) -> None:
+    key = presented_key(request)
+    if not keys.is_admin(_state(request).admin_key, key):
+        _refuse(key, "this endpoint needs the admin key")
 
 
-def scoped_attempt(admin_key: str, key: str | None, rollout_id: str, attempt_ids: Iterable[str]) -> str | None:
-    """The attempt among `attempt_ids` whose scoped key `key` is, if any."""
-    return next((a for a in attempt_ids if is_attempt_key(admin_key, key, rollout_id, a)), None)
+def require_rollout_access(request: Request) -> None:
+    """Reading a rollout: the admin key, or the scoped key of any of its attempts."""
+    state = _state(request)
+    rollout_id = request.path_params["rollout_id"]
+    key = presented_key(request)
+    if keys.is_admin(state.admin_key, key):
+        return
+    try:
+        attempts = state.store.snapshot(rollout_id).attempts
+    except RolloutNotFound:
+        attempts = ()
+    if keys.scoped_attempt(state.admin_key, key, rollout_id, attempts) is None:
+        _refuse(key, f"the key is not valid for rollout {rollout_id}")
+
+
+def require_attempt_writer(request: Request, rollout_id: str, attempt_id: str) -> None:
+    """Writing into an attempt (events, proxy calls): the admin key, or the attempt's own
+    scoped key while that attempt is the rollout's running one."""
+    state = _state(request)
+    key = presented_key(request)
+    if keys.is_admin(state.admin_key, key):
+        return
+    if not keys.is_attempt_key(state.admin_key, key, rollout_id, attempt_id):
+        _refuse(key, f"the key is not valid for attempt {attempt_id} of rollout {rollout_id}")
+    rollout = state.store.snapshot(rollout_id)
+    if rollout.state != RolloutState.RUNNING or rollout.last_attempt_id != attempt_id:
+        now = (
+            f"running attempt {rollout.last_attempt_id}"
+            if rollout.state == RolloutState.RUNNING
+            else rollout.state.value
+        )
+        raise HTTPException(
+            409, f"attempt {attempt_id} of rollout {rollout_id} is over (the rollout is {now}): its key writes no more"
+        )
+
+
+def _refuse(key: str | None, reason: str) -> None:
+    if key is None:
+        raise HTTPException(401, "missing key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'")
+    if key.startswith(keys.SCOPED_PREFIX):
+        raise HTTPException(403, reason)
+    raise HTTPException(401, "invalid key")

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import httpx
 
-from rollover.gateway.auth import scoped_key
+from rollover.gateway.keys import scoped_key
 from rollover.retry import RetryPolicy, call_with_retries
 from rollover.store.models import (
     Event,

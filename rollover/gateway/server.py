@@ -18,8 +18,8 @@ import uvicorn
 
 from rollover.config import GatewaySettings
 from rollover.gateway.app import create_app
-from rollover.gateway.auth import new_admin_key
 from rollover.gateway.connections import bounded_protocol
+from rollover.gateway.keys import new_admin_key
 from rollover.processes import die_with_parent, free_port, port_taken
 from rollover.store.sqlite import RolloutStore
 

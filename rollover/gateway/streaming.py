@@ -1,6 +1,13 @@
 """A streamed engine answer, put back together: the proxy relays the chunks to the agent as
 they arrive and records the completion they add up to, shaped as the engine answers without
-`stream` (token ids, logprobs and all), so a streamed call is recorded like any other."""
+`stream` (token ids, logprobs and all), so a streamed call is recorded like any other.
+
+With partial rollout it also knows which policy version sampled each token: told the version
+at the start and at every weight load (`mark`), it keeps per choice the spans of tokens each
+version sampled (`spans`). The engine generates nothing between its freeze and its resume,
+and a weight load is marked in between, so every token that arrived before the mark was
+sampled with the old weights and every one after it with the new: a line of the stream that
+had begun to arrive at the mark was written before the freeze."""
 
 from __future__ import annotations
 
@@ -13,10 +20,13 @@ class StreamAssembler:
     """Fed the raw bytes of an OpenAI-style server-sent event stream (vLLM's: every chunk one
     `data:` line, `token_ids` per choice, `prompt_token_ids` on the first chunks)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, version: int | None = None) -> None:
         self.chat = endpoint == "chat/completions"
         self.error: Any = None
         self.done = False  # [DONE] seen
+        self.version = version  # None: versions are not followed
+        self.spans: dict[int, list[list[int]]] = {}  # per choice: [first token index, version], ...
+        self._next_version: int | None = None  # the version once the line under way has ended
         self._partial = b""
         self._top: dict[str, Any] = {}
         self._choices: dict[int, dict[str, Any]] = {}
@@ -26,6 +36,19 @@ class StreamAssembler:
         self._partial = lines.pop()
         for line in lines:
             self._line(line.rstrip(b"\r"))
+            if self._next_version is not None:
+                self.version, self._next_version = self._next_version, None
+
+    def mark(self, version: int) -> None:
+        """The weights changed to `version`: the tokens of lines that begin from now on are its."""
+        if self._partial:
+            self._next_version = version
+        else:
+            self.version = version
+
+    def tokens_under_way(self) -> int:
+        """Tokens so far of the choices not yet finished (0: nothing of it is under way)."""
+        return sum(len(acc["token_ids"] or []) for acc in self._choices.values() if acc.get("finish_reason") is None)
 
     def _line(self, line: bytes) -> None:
         if not line.startswith(b"data:"):
@@ -61,7 +84,12 @@ class StreamAssembler:
             if choice.get(key) is not None:
                 acc[key] = choice[key]
         if isinstance(choice.get("token_ids"), list):
-            acc["token_ids"] = (acc["token_ids"] or []) + choice["token_ids"]
+            received = acc["token_ids"] or []
+            if self.version is not None and choice["token_ids"]:
+                spans = self.spans.setdefault(index, [])
+                if not spans or spans[-1][1] != self.version:
+                    spans.append([len(received), self.version])
+            acc["token_ids"] = received + choice["token_ids"]
         logprobs = choice.get("logprobs") or {}
         if self.chat:
             delta = choice.get("delta") or {}

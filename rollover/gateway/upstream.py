@@ -66,6 +66,11 @@ def _target(url: str) -> _Target:
     return _Target(parts.scheme, parts.hostname, port, path, head)
 
 
+def _key(url: str) -> tuple[str, str, int]:
+    target = _target(url)
+    return target.scheme, target.host, target.port
+
+
 class _Connection(asyncio.Protocol):
     """One connection and the answer it is receiving: the parser's callbacks fill it in and wake
     whoever waits (`_wait`)."""
@@ -77,6 +82,8 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+        self._left: float | None = None  # time left of a deadline suspended (its engine is frozen)
         self.closed = False
         self._sent = False
         self._busy = False  # a call is on it
@@ -139,8 +146,23 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self._reset()
         self.reused, self._sent, self._busy = self._sent, True, True
+        self._deadline, self._left = deadline, None
         self._timer = asyncio.get_running_loop().call_at(deadline, self._time_out)
         self.transport.write(b"%s%d\r\n\r\n%s" % (target.head, len(body), body))
+
+    def suspend_deadline(self) -> None:
+        """Stop the call's clock (its engine is frozen for a weight load: the wait is not its)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._left = self._deadline - asyncio.get_running_loop().time()
+
+    def resume_deadline(self) -> None:
+        """Start the clock again with the time that was left when it stopped."""
+        if self._left is not None and self._busy:
+            loop = asyncio.get_running_loop()
+            self._deadline, self._left = loop.time() + self._left, None
+            self._timer = loop.call_at(self._deadline, self._time_out)
 
     async def _wait(self) -> None:
         """Until the parser or the connection has news."""
@@ -172,9 +194,11 @@ class _Connection(asyncio.Protocol):
         if not self._busy:
             return
         self._busy = False
+        self._pool.finished(self)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._left = None
         if self.complete and self.error is None and not self.closed and self.keep_alive:
             self._pool.put_back(self)
         else:
@@ -203,15 +227,32 @@ class UpstreamResponse:
         return body
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        connection = self._connection
         while True:
-            if connection.chunks:
-                pieces, connection.chunks = connection.chunks, []
-                for piece in pieces:
-                    yield piece
-            if connection.complete:
+            for piece in self.received():
+                yield piece
+            if self.complete:
                 return
-            await connection._wait()
+            await self.wait()
+
+    def received(self) -> list[bytes]:
+        """The body's pieces arrived since the last look, without waiting."""
+        connection = self._connection
+        pieces, connection.chunks = connection.chunks, []
+        return pieces
+
+    @property
+    def complete(self) -> bool:
+        """The whole body has arrived (what is left of it is in `received`)."""
+        return self._connection.complete
+
+    def wake(self) -> None:
+        """Let a `wait` under way return (the caller took what it waits for another way)."""
+        self._connection._wake()
+
+    async def wait(self) -> None:
+        """Until more of the body arrives or it ends; raises if the call failed."""
+        if not self._connection.chunks and not self._connection.complete:
+            await self._connection._wait()
 
     def release(self) -> None:
         self._connection.done()
@@ -229,6 +270,8 @@ class UpstreamPool:
         self.timeout_seconds = timeout_seconds
         self.idle_seconds = idle_seconds
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._busy: dict[tuple[str, str, int], set[_Connection]] = {}
+        self._frozen: set[tuple[str, str, int]] = set()  # engines frozen for a weight load
         self._ssl: ssl.SSLContext | None = None
 
     async def post(self, url: str, body: bytes) -> UpstreamResponse:
@@ -241,6 +284,9 @@ class UpstreamPool:
             connection = await self._acquire(target)
             try:
                 connection.send(target, body, deadline)
+                self._busy.setdefault(connection.key, set()).add(connection)
+                if connection.key in self._frozen:
+                    connection.suspend_deadline()
                 while not connection.status:
                     await connection._wait()
                 return UpstreamResponse(connection)
@@ -287,6 +333,28 @@ class UpstreamPool:
         if self._ssl is None:
             self._ssl = ssl.create_default_context()
         return self._ssl
+
+    def freeze(self, url: str) -> None:
+        """The engine at `url` is frozen (a weight load holds its requests): the deadlines of
+        the calls on it stop, and those of calls sent to it until `thaw` start stopped."""
+        key = _key(url)
+        self._frozen.add(key)
+        for connection in self._busy.get(key, ()):
+            connection.suspend_deadline()
+
+    def thaw(self, url: str) -> None:
+        """The engine at `url` generates again: its calls' deadlines go on from where they stopped."""
+        key = _key(url)
+        self._frozen.discard(key)
+        for connection in self._busy.get(key, ()):
+            connection.resume_deadline()
+
+    def finished(self, connection: _Connection) -> None:
+        busy = self._busy.get(connection.key)
+        if busy is not None:
+            busy.discard(connection)
+            if not busy:
+                del self._busy[connection.key]
 
     def put_back(self, connection: _Connection) -> None:
         connection.idle_since = time.monotonic()

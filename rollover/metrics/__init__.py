@@ -17,9 +17,11 @@ WandbMode = Literal["online", "offline", "disabled", "shared"]
 _WANDB_MODES = frozenset(get_args(WandbMode))
 
 CONSOLE_KEYS = (
-    ("reward/mean", "reward", "{:.3f}"),
+    ("critic/score/mean", "reward", "{:.3f}"),
     ("val/reward_mean", "val", "{:.3f}"),
     ("actor/pg_loss", "loss", "{:+.4f}"),
+    ("actor/entropy", "entropy", "{:.3f}"),
+    ("training/n_filtered_groups", "filtered", "{:.0f}"),
     ("training/async/n_prev_carry_over_rollouts", "carry_in", "{:.0f}"),
     ("training/async/n_new_carry_over_rollouts", "carry_out", "{:.0f}"),
     ("training/async/proxy_drain_seconds", "drain_s", "{:.2f}"),

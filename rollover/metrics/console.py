@@ -177,7 +177,7 @@ class RunSummary:
         cls, history: Sequence[Mapping[str, float]], steps: int, wall_s: float, run_dir: Path
     ) -> RunSummary:
         val = [row["val/reward_mean"] for row in history if "val/reward_mean" in row]
-        rewards = [row["reward/mean"] for row in history if "reward/mean" in row]
+        rewards = [row["critic/score/mean"] for row in history if "critic/score/mean" in row]
         return cls(
             steps=steps,
             wall_s=wall_s,

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 PANELS = (
-    ("reward", ("reward/mean", "val/reward_mean", "val/accuracy")),
+    ("reward", ("critic/score/mean", "val/reward_mean", "val/accuracy")),
     (
         "carry-over (rollouts)",
         (
@@ -34,6 +34,7 @@ PANELS = (
         ("timing/rollout_queue_wait_s/mean", "timing/rollout_run_duration_s/mean", "timing/rollout_run_duration_s/max"),
     ),
     ("step time (s)", ("timing/step_s", "timing/update_s", "timing/weight_sync_s", "timing/trainer_idle_s")),
+    ("policy", ("actor/entropy", "actor/pg_clipfrac", "actor/kl_loss", "training/n_filtered_groups")),
 )
 HELD_OUT = ("val/reward_mean", "val/accuracy")
 

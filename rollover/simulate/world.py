@@ -280,7 +280,7 @@ class VirtualPolicy:
         self.backend = backend
         self.update_seconds = update_seconds
 
-    def update(self, samples: Sequence[Any], rng: random.Random) -> dict[str, float]:
+    def update(self, batch: Any, rng: random.Random, *, lr: float, kl_coef: float = 0.0) -> dict[str, float]:
         # Runs in `asyncio.to_thread` while the event loop awaits it: nothing else touches the clock.
         self.backend.advance(self.update_seconds)
         return {}

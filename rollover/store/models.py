@@ -8,7 +8,15 @@ import time
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    computed_field,
+    model_serializer,
+    model_validator,
+)
 
 
 class RolloutState(str, Enum):
@@ -31,6 +39,13 @@ LEGAL_TRANSITIONS: dict[RolloutState, frozenset[RolloutState]] = {
 }
 
 ABORTED_PREFIX = "aborted"
+
+# The largest integer SQLite stores (a signed 64-bit INTEGER): the bound of every integer the
+# API takes that is, or may become, a column or a query parameter (cursors, versions).
+MAX_INT64 = 2**63 - 1
+# A rollout's timeout, at most (about 68 years): past it, it is no timeout; refused rather than
+# carried into the controller's deadlines and a Kubernetes Job's activeDeadlineSeconds.
+MAX_TIMEOUT_SECONDS = 2**31 - 1
 
 
 def new_rollout_id() -> str:
@@ -62,9 +77,25 @@ class K8sRolloutConfig(_Value):
 
 
 class RolloutConfig(_Value):
-    timeout_seconds: float | None = Field(None, gt=0)
+    # None: the run's own timeout (agentlightning.rollout_timeout_seconds), decided by the
+    # controller that runs the rollout.
+    timeout_seconds: float | None = Field(None, gt=0, le=MAX_TIMEOUT_SECONDS)
     local: LocalRolloutConfig = Field(default_factory=LocalRolloutConfig)
     k8s: K8sRolloutConfig = Field(default_factory=K8sRolloutConfig)
+
+    @model_serializer(mode="wrap")
+    def _agent_lightning_shape(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """As Agent Lightning's `RolloutConfig` reads it: its `timeout_seconds` is an `int`
+        (default 3600) that refuses null, so no timeout is written as no key (read back as
+        None), and a whole number of seconds as an integer. A fraction of a second (which
+        only Rollover takes) is written as it was given."""
+        dumped: dict[str, Any] = handler(self)
+        timeout = self.timeout_seconds
+        if timeout is None:
+            dumped.pop("timeout_seconds", None)
+        elif timeout.is_integer():
+            dumped["timeout_seconds"] = int(timeout)
+        return dumped
 
 
 DEFAULT_CONFIG = RolloutConfig.model_validate({})
@@ -103,6 +134,8 @@ class StatusPatch(_Wire):
 class StatusFields(_Wire):
     state: RolloutState | None = None
     k8s_job_name: str | None = None
+    # With `state: running`, the attempt that starts; none given: Agent Lightning's default
+    # attempt id, "0" (see `RolloutStore.update_status`).
     last_attempt_id: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")
     error_message: str | None = Field(None, max_length=65536)
 
@@ -193,6 +226,10 @@ class Triplet(_Wire):
     response_logprobs: list[float] | None = None
     policy_version: int | None = None
     choice_index: int = 0  # which of the call's choices (n > 1 records them all)
+    # Partial rollout: [first token index, version] per policy version that sampled the
+    # response, oldest first (a call that spanned k weight loads has k+1); null: all of it
+    # `policy_version`'s.
+    response_version_spans: list[tuple[int, int]] | None = None
 
 
 class TripletBundle(_Wire):
@@ -223,11 +260,14 @@ class TerminalRolloutsPage(_Wire):
 class ModelEndpoint(_Wire):
     model: str = Field(min_length=1)
     endpoint: str = Field(min_length=1, pattern=r"^https?://")
-    policy_version: int = Field(0, ge=0)
+    policy_version: int = Field(0, ge=0, le=MAX_INT64)
     # In rotation: the proxy sends calls only to live endpoints. A registration leaves it out
     # (Agent Lightning's clients do) and is live; an engine that died is taken out until it
     # registers again.
     live: bool = True
+    # Partial rollout: the engine has frozen its requests for a weight load; its calls' upstream
+    # deadlines stand still until it registers again, unfrozen (with its new version).
+    frozen: bool = False
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -265,6 +305,11 @@ class ProxyState(_Wire):
     reason: str | None
     inflight: int
     paused_seconds_total: float = 0.0
+    # Partial rollout (since the gateway started): wall time with an engine frozen for a weight
+    # load; calls in flight across a load and their tokens sampled before it.
+    engine_frozen_seconds_total: float = 0.0
+    calls_spanning_update_total: int = 0
+    tokens_spanning_update_total: int = 0
 
 
 # What `format=triplet` keeps of a model request: Agent Lightning's `format=triplet` is the
@@ -276,6 +321,7 @@ TRAINING_FIELDS = (
     "prompt_token_ids",
     "response_token_ids",
     "response_logprobs",
+    "response_version_spans",  # partial rollout: the versions that sampled the response
     "choices",  # n > 1: every choice's token ids and logprobs
     "policy_version",
     "latency_s",
@@ -302,10 +348,18 @@ def last_call_per_prompt(events: list[Event]) -> list[Event]:
 
 
 def trimmed_for_training(event: Event) -> dict[str, Any]:
-    """`event` as `format=triplet` answers it: a model request without its message bodies."""
+    """`event` as `format=triplet` answers it: a model request without its message bodies.
+
+    Agent Lightning's `format=triplet` model request always has `prompt_token_ids` and
+    `response_token_ids` (`[]` when the call gave none, a failed call) and `response_log_probs`
+    (null when the engine gave none or unusable ones): its trainer reads the logprobs under
+    that name. They are written here as it writes them, beside Rollover's own names."""
     dumped = event.model_dump(mode="json")
     if event.event_type == "model_request" and isinstance(event.data, dict):
         data = {key: event.data[key] for key in TRAINING_FIELDS if key in event.data}
+        data.setdefault("prompt_token_ids", [])
+        data.setdefault("response_token_ids", [])
+        data["response_log_probs"] = event.data.get("response_logprobs")
         data["model_version"] = event.data.get("policy_version")
         data["request"], data["response"] = {}, {}  # trimmed: the token ids above are the call
         dumped["data"] = data

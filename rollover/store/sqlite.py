@@ -1,5 +1,8 @@
 """The durable rollout store: rollouts, attempts and events in one SQLite file (WAL).
 
+Just over 600 lines on purpose: it is one idea, the rollout state machine over one file (the
+file itself, its records and checkpointer are `file.py`; rows as wire models `rows.py`).
+
 Every write is committed before its call returns, so whatever the gateway acknowledged
 survives a SIGKILL of the process (WAL with synchronous=NORMAL is durable against process
 crashes; use `synchronous="FULL"` to survive power loss too). Writes are committed on the
@@ -418,7 +421,7 @@ class RolloutStore:
                 changes["state"] = target.value
                 attempt_id = current.last_attempt_id
                 if target == RolloutState.RUNNING:
-                    attempt_id = fields.last_attempt_id or f"a{len(current.attempts) + 1}"
+                    attempt_id = fields.last_attempt_id or _default_attempt_id(current.attempts)
                     if attempt_id in current.attempts:
                         raise IllegalTransition(f"attempt {attempt_id} of rollout {rollout_id} already exists")
                     conn.execute(
@@ -560,6 +563,7 @@ class RolloutStore:
                         response_logprobs=choice.get("response_logprobs"),
                         policy_version=data.get("policy_version"),
                         choice_index=position,
+                        response_version_spans=choice.get("response_version_spans"),
                     )
                     for position, choice in enumerate(choices)
                     if isinstance(choice, dict) and choice.get("response_token_ids") is not None
@@ -597,6 +601,17 @@ class RolloutStore:
         if row is None:
             raise RolloutNotFound(f"rollout {rollout_id} not found")
         return rollout_from_row(row, attempts_of(conn, [rollout_id]).get(rollout_id, []))
+
+
+def _default_attempt_id(attempts: tuple[str, ...]) -> str:
+    """The attempt a move to running starts when it names none: Agent Lightning's default
+    attempt id, "0", which its controllers and agents use without saying so; a rollout run
+    again (after a re-queue, which Agent Lightning has not) the next number not yet taken.
+    Rollover's controller names its attempts (`a1`, `a2`...)."""
+    number = len(attempts)
+    while str(number) in attempts:
+        number += 1
+    return str(number)
 
 
 def _error_message(conn: sqlite3.Connection, rollout_id: str) -> str | None:

@@ -34,6 +34,7 @@ class StubBehaviour:
     # Streams stop before their last chunk until this is set (a test reads the first chunks
     # while the engine is still "generating"); None = stream straight through.
     hold_stream_end: threading.Event | None = None
+    holding: threading.Event = field(default_factory=threading.Event)  # set once a stream is held
 
 
 def _fake_ids(text: str, count: int) -> list[int]:
@@ -195,6 +196,7 @@ async def _stream(
         last_token = len(choices[0].token_ids) - 1
         for k in range(last_token + 1):
             if k == last_token and behaviour.hold_stream_end is not None:
+                behaviour.holding.set()
                 while not behaviour.hold_stream_end.is_set():
                     await asyncio.sleep(0.02)
             for c in choices:

@@ -44,11 +44,47 @@ def token_logprobs(
     return torch.cat(chunks, dim=0)
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    # float32 keeps the normaliser accurate for bf16 models; a copy only when one is needed.
+    scaled = logits.float()
+    return scaled / temperature if temperature != 1.0 else scaled
+
+
 def _next_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     # log p(y) = z_y - logsumexp(z): gathering first avoids materialising a second [b, L, V]
-    # log-softmax tensor; float32 keeps the normaliser accurate for bf16 models.
-    scaled = logits.float()
-    if temperature != 1.0:
-        scaled = scaled / temperature
+    # log-softmax tensor.
+    scaled = _scaled(logits, temperature)
     picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def logprobs_and_entropy(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    *,
+    entropy_chunk_size: int | None,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_logprobs`` and the entropy of each next-token distribution (``[B, L-1]`` both,
+    logits divided by ``temperature``) from one forward pass.
+
+    The entropy carries gradient only with ``entropy_grad`` (an entropy bonus in the loss);
+    otherwise it is computed from detached logits and keeps nothing for the backward pass.
+    Either way it is computed in chunks of tokens (``loss.entropy.token_entropy``), never as a
+    second full ``[B, L, V]`` tensor.
+    """
+    from rollover.training.loss.entropy import token_entropy
+
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    scaled = _scaled(logits, temperature)
+    logprobs = _next_token_logprobs(scaled, input_ids[:, 1:], 1.0)
+    if entropy_grad:
+        entropy = token_entropy(scaled, entropy_chunk_size)
+    else:
+        with torch.no_grad():
+            entropy = token_entropy(scaled.detach(), entropy_chunk_size)
+    return logprobs, entropy

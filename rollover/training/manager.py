@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -85,6 +86,29 @@ class GroupedResult:
     new_carry_over_rollouts: list[TrackedRollout]
     wait_seconds: float = 0.0
     polls: int = 0
+    filtered_groups: list[list[TrackedRollout]] = field(default_factory=list)  # complete, no signal
+
+
+class NoSignal(RuntimeError):
+    """`algorithm.filter_groups.max_num_gen_batches` batches' worth of groups in a row scored
+    alike within each group: nothing left to learn from (all solved, or all failed)."""
+
+
+def has_signal(scores: Sequence[float]) -> bool:
+    """DAPO's dynamic-sampling rule: a group teaches something only when its members' scores
+    differ (alike scores make every advantage 0)."""
+    return len(set(scores)) > 1
+
+
+@dataclass
+class GroupFilter:
+    """The zero-variance filter (`algorithm.filter_groups`): `scores` gives a complete group's
+    member scores, `top_up` new prompts in place of a filtered group, and `max_filtered`
+    bounds how many groups one wait may filter (None = no bound)."""
+
+    scores: Callable[[list[TrackedRollout]], Awaitable[list[float]]]
+    top_up: Callable[[int], list[Prompt]]
+    max_filtered: int | None = None
 
 
 def group_by_data_id(rollouts: Iterable[TrackedRollout]) -> dict[str, list[TrackedRollout]]:
@@ -108,6 +132,7 @@ class AsyncRolloutManager:
     train_rollout_n: int
     completion_log: list[str] = field(default_factory=list)  # group keys in completion order
     on_poll: Callable[[WindowStatus], None] | None = None  # a live display of the window
+    group_filter: GroupFilter | None = None  # zero-variance groups neither count nor train
 
     async def enqueue_and_wait_until_group_completed(
         self,
@@ -133,6 +158,8 @@ class AsyncRolloutManager:
 
         started = self.backend.now()
         completed_group_keys: list[str] = []
+        filtered: dict[str, list[TrackedRollout]] = {}
+        alike_scores: list[float] = []  # the one score of each filtered group
         polls = 0
         while True:
             pending = [r for r in active_rollouts if not r.state.terminal]
@@ -144,9 +171,18 @@ class AsyncRolloutManager:
                     if update is not None:
                         _apply(rollout, update)
             # A group counts only when every sibling is terminal; keep completion order.
-            for key, group in groups.items():
+            for key, group in list(groups.items()):
                 if key not in completed_group_keys and all(r.state.terminal for r in group):
-                    completed_group_keys.append(key)
+                    alike = await self._alike_score(group)
+                    if alike is not None:
+                        filtered[key] = groups.pop(key)
+                        alike_scores.append(alike)
+                        active_rollouts = [r for r in active_rollouts if r.data_id != key]
+                        replacements = await self._top_up(alike_scores, step, is_train)
+                        active_rollouts += replacements
+                        groups.update(group_by_data_id(replacements))
+                    else:
+                        completed_group_keys.append(key)
             if self.on_poll is not None:
                 self.on_poll(
                     _window_status(active_rollouts, len(completed_group_keys), target_finished_group_num, step)
@@ -162,7 +198,32 @@ class AsyncRolloutManager:
             new_carry_over_rollouts=[r for key, group in groups.items() if key not in consumed for r in group],
             wait_seconds=self.backend.now() - started,
             polls=polls,
+            filtered_groups=list(filtered.values()),
         )
+
+    async def _alike_score(self, group: list[TrackedRollout]) -> float | None:
+        """The one score of a complete group the zero-variance filter takes out of the window
+        (every member scored it), or None when the group has signal or no filter is on."""
+        if self.group_filter is None:
+            return None
+        scores = await self.group_filter.scores(group)
+        return None if has_signal(scores) else scores[0]
+
+    async def _top_up(self, alike_scores: list[float], step: int, is_train: bool) -> list[TrackedRollout]:
+        """A new group in place of a filtered one, unless this wait has filtered too many."""
+        assert self.group_filter is not None
+        bound = self.group_filter.max_filtered
+        if bound is not None and len(alike_scores) >= bound:
+            counts = ", ".join(f"{n} at {score:g}" for score, n in sorted(Counter(alike_scores).items()))
+            raise NoSignal(
+                f"{len(alike_scores)} complete groups of one step scored alike within each group ({counts}; "
+                "algorithm.filter_groups.max_num_gen_batches x data.train_batch_size): "
+                "no group with signal, the tasks are all solved or all failed at this policy"
+            )
+        rollouts = [r for prompt in self.group_filter.top_up(1) for r in new_group(prompt, self.train_rollout_n, step)]
+        if rollouts:
+            await self.backend.enqueue(rollouts, is_train)
+        return rollouts
 
 
 def _window_status(active: Sequence[TrackedRollout], completed: int, target: int, step: int) -> WindowStatus:

@@ -1,10 +1,18 @@
-"""The trainable policy and one PPO update (SPEC §5) over samples from complete groups.
+"""The trainable policy and one update (SPEC §5) over the samples of complete groups.
 
-On several ranks (`World.distributed`) the model is sharded with FSDP2 and every rank runs
-`run_update` on the same `UpdatePlan`: π_old is computed on each rank for its share and
-gathered, each optimizer step's samples are split across ranks by token count, and the
-token-mean's denominator is the mini-batch's global count, so N ranks take the step one
-rank would.
+One update, in the order `run_update` takes it (every rank runs it on the same `UpdatePlan`):
+
+1. π_old, recomputed once with no gradient (each rank its share, then gathered), or in
+   bypass mode the recorded engine logprobs μ (`algorithm.rollout_correction.bypass_mode`).
+2. π_ref, when a KL term needs it (`reference.ReferencePolicy`).
+3. Advantages per rollout: its reward, less β·KL(π_old‖π_ref) when the KL is in the reward,
+   normalised within its group (`advantages`); every sample of the rollout carries it.
+4. Rollout correction over the whole batch: IS weights and rejection masks from π_old vs μ
+   (in bypass mode they are taken per micro-batch against π_θ, as verl does).
+5. The optimizer steps. One mini-batch's loss is the policy loss aggregated over the whole
+   mini-batch (`loss.aggregate`: counts of all its micro-batches on all ranks), minus
+   `entropy_coeff`·entropy, plus `kl_loss_coef`·KL(π_θ‖π_ref); so N ranks and any
+   micro-batching take the step one rank with the whole mini-batch would.
 """
 
 from __future__ import annotations
@@ -12,22 +20,31 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from rollover.config import RolloverConfig
 from rollover.distributed import sharding
-from rollover.distributed.split import balanced_split
 from rollover.distributed.world import World
 from rollover.metrics.progress import NullProgress, Progress
-from rollover.training.algorithms import ppo_policy_loss, rollout_correction_weights
-from rollover.training.logprobs import token_logprobs
-from rollover.training.samples import Sample, collate
-
-Prepared = tuple[Sample, dict[str, torch.Tensor]]
+from rollover.training import lora
+from rollover.training.advantages import compute_advantages, penalised_scores
+from rollover.training.forward import Batching, per_sample_logprobs, rank_passes
+from rollover.training.logprobs import logprobs_and_entropy
+from rollover.training.loss.aggregate import (
+    BatchCounts,
+    aggregate,
+    local_counts,
+    per_rollout_mean,
+    rollout_row_divisors,
+)
+from rollover.training.loss.correction import importance_weights, rejection_mask
+from rollover.training.loss.kl import kl_estimate
+from rollover.training.loss.policy import POLICY_LOSSES, ClipRange, PolicyLossInputs
+from rollover.training.reference import AdapterOffReference, ReferencePolicy
+from rollover.training.samples import RolloutScore, Sample, UpdateBatch, collate, pad_rows
 
 
 def pick_device(setting: str) -> torch.device:
@@ -38,16 +55,41 @@ def pick_device(setting: str) -> torch.device:
 
 @dataclass
 class UpdatePlan:
-    """One update, decided on rank 0: the samples and, per optimizer step, the indices of its
-    mini-batch (the shuffles of every PPO epoch)."""
+    """One update, decided on rank 0: the samples, the rollouts they came from (advantages are
+    computed in the update), the indices of each optimizer step's mini-batch (the shuffles of
+    every PPO epoch), the learning rate and the KL-in-reward coefficient of this update."""
 
     samples: list[Sample]
+    rollouts: list[RolloutScore]
     steps: list[list[int]]
+    lr: float
+    kl_coef: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)  # what planning dropped
+
+
+@dataclass
+class Prepared:
+    """One sample with what the update computed for it before the optimizer steps
+    (target-aligned, ``[len - 1]``, on the host)."""
+
+    sample: Sample
+    old: torch.Tensor  # log π_old; bypass mode: log μ (NaN where none was recorded)
+    ref: torch.Tensor | None = None  # log π_ref, when a KL term needs it
+    is_weights: torch.Tensor | None = None  # decoupled rollout correction's truncated IS weights
+    keep: torch.Tensor | None = None  # decoupled rejection sampling: 1 = trained
+    divisor: float = 1.0  # per_rollout_mean's row divisor
+
+
+@dataclass
+class MicroBatchResult:
+    loss: torch.Tensor
+    sums: dict[str, float]  # Σ over trained tokens, divided by the mini-batch's count later
+    shares: dict[str, float]  # this micro-batch's share of a mini-batch value (summed later)
 
 
 class Policy:
     """A causal LM with its tokenizer and optimizer, on this rank's device (sharded over the
-    ranks when there are several)."""
+    ranks when there are several), and the frozen reference when a KL term needs one."""
 
     progress: Progress = NullProgress()  # told of each optimizer step (from the update's thread)
     world: World = World()  # one rank unless given
@@ -63,6 +105,9 @@ class Policy:
         model.config.use_cache = False
         if config.actor_rollout_ref.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        self.lora = config.actor_rollout_ref.model.lora
+        if self.lora:  # before sharding: FSDP2 shards the adapter with its layer
+            model = lora.wrap(model, config.actor_rollout_ref.model, model_path, seed=config.trainer.seed)
         if self.world.distributed:
             fsdp = config.actor_rollout_ref.actor.fsdp_config
             mixed = fsdp.mixed_precision == "bf16" or (fsdp.mixed_precision == "auto" and self.device.type == "cuda")
@@ -71,18 +116,44 @@ class Policy:
             )
         self.model = model
         optim = config.actor_rollout_ref.actor.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+        # With LoRA only the adapter is trainable: the base has no gradients and no Adam state.
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        # The reference is the model this run starts from (a resumed run's base, not its
+        # checkpoint: launch loads the checkpoint's weights after building the policy); with
+        # LoRA, the base under the policy's own adapter, disabled.
+        self.reference: ReferencePolicy | AdapterOffReference | None = None
+        if config.needs_reference:
+            self.reference = (
+                AdapterOffReference(self.model, config, self.world, self.device)
+                if self.lora
+                else ReferencePolicy(model_path, config, self.world, self.device)
+            )
 
     # -- weights and checkpoints (collectives on several ranks) ----------------------------
 
     def full_state_dict(self, *, keep: bool) -> dict[str, torch.Tensor]:
         return sharding.full_state_dict(self.model, keep=keep)
 
+    def save_adapter(self, directory: str | Path, *, write: bool) -> None:
+        """LoRA: the adapter alone, gathered (a collective on several ranks), as a PEFT folder
+        written by the ranks with `write`."""
+        state = lora.adapter_state_dict(self.model, keep=write)
+        if write:
+            lora.write_adapter(state, self.model, directory)
+
     def save(self, directory: str | Path) -> Path:
-        """The model as a Hugging Face folder (weights, config, tokenizer), written by rank 0."""
+        """The model as a Hugging Face folder (weights, config, tokenizer), written by rank 0;
+        with LoRA the adapter as a PEFT folder (with the tokenizer) instead: the base never
+        changes (`rollover model merge` makes one model of the two)."""
         directory = Path(directory)
+        if self.lora:
+            self.save_adapter(directory, write=self.world.is_leader)
+            if self.world.is_leader:
+                self.tokenizer.save_pretrained(directory)
+            return directory
         if not self.world.distributed:
             self.model.save_pretrained(directory, safe_serialization=True)
             self.tokenizer.save_pretrained(directory)
@@ -99,188 +170,361 @@ class Policy:
 
     def save_training_state(self, directory: str | Path) -> None:
         """Model and optimizer, sharded (`torch.distributed.checkpoint`), loadable on any
-        number of ranks."""
-        sharding.save_training_state(self.model, self.optimizer, Path(directory))
+        number of ranks; with LoRA the adapter and its optimizer state only."""
+        sharding.save_training_state(self.model, self.optimizer, Path(directory), trainable_only=self.lora)
 
     def load_training_state(self, directory: str | Path) -> None:
-        sharding.load_training_state(self.model, self.optimizer, Path(directory))
+        sharding.load_training_state(self.model, self.optimizer, Path(directory), trainable_only=self.lora)
 
-    # -- the update -----------------------------------------------------------------------
+    # -- planning (rank 0) ----------------------------------------------------------------
 
-    def plan(self, samples: Sequence[Sample], rng: random.Random) -> UpdatePlan:
-        """The samples with targets and each optimizer step's mini-batch; `rng` shuffles each
-        PPO epoch (it is the trainer's, checkpointed)."""
-        kept = [s for s in samples if s.num_target_tokens > 0]
+    def plan(self, batch: UpdateBatch, rng: random.Random, *, lr: float, kl_coef: float = 0.0) -> UpdatePlan:
+        """The samples with targets (capped by `agentlightning.max_ppo_update_times`) and each
+        optimizer step's mini-batch; `rng` shuffles each PPO epoch (it is the trainer's,
+        checkpointed)."""
+        kept = [s for s in batch.samples if s.num_target_tokens > 0]
         mini = self._mini_batch_samples(len(kept))
+        kept, dropped = self._cap_update_times(kept, batch.rollouts, mini, rng)
         steps: list[list[int]] = []
         for _ in range(self.config.actor_rollout_ref.actor.ppo_epochs):
             order = list(range(len(kept)))
             rng.shuffle(order)
             steps += [order[start : start + mini] for start in range(0, len(order), mini)]
-        return UpdatePlan(kept, steps)
+        return UpdatePlan(kept, list(batch.rollouts), steps, lr, kl_coef, dropped)
 
-    def update(self, samples: Sequence[Sample], rng: random.Random) -> dict[str, float]:
-        """PPO epochs over the samples on this rank alone (see `run_update`)."""
-        return self.run_update(self.plan(samples, rng))
-
-    def run_update(self, plan: UpdatePlan) -> dict[str, float]:
-        """The plan's optimizer steps, on every rank at once; returns token-weighted metrics
-        (the rollout correction's are the whole batch's), the same on every rank."""
-        if not plan.samples:
-            return {}
-        correction = self.config.algorithm.rollout_correction
-        # vLLM records processed logprobs (after temperature: the distribution it sampled
-        # from, see VLLMEngine's logprobs_mode), so π is computed at the same temperature.
-        temperature = self.config.actor_rollout_ref.rollout.temperature or 1.0
-
-        # π_old: the trainer's logprobs before this update, recomputed once, each rank its share.
-        prepared = self._with_old_logprobs(plan.samples, temperature)
-        corr_metrics = self._attach_is_weights(prepared, correction.rollout_is, correction.rollout_is_threshold)
-
-        sums: dict[str, float] = {}
-        total_tokens = 0
-        self.progress.update(0, len(plan.steps))
-        skipped = 0
-        for done, indices in enumerate(plan.steps, start=1):
-            metrics, tokens, stepped = self._optimizer_step([prepared[i] for i in indices], temperature)
-            skipped += not stepped
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + value * tokens
-            total_tokens += tokens
-            self.progress.update(done, len(plan.steps))
-        averaged = {key: value / max(total_tokens, 1) for key, value in sums.items()}
-        # A count of optimizer steps left out for want of a gradient, not a token mean.
-        return averaged | {"actor/n_skipped_steps": float(skipped)} | corr_metrics
-
-    def _my_share(self, samples: Sequence[Sample]) -> tuple[list[int], int]:
-        """This rank's indices of `samples` and the number of micro-batches every rank runs
-        (the most any rank needs: FSDP's collectives need the same count on each)."""
-        size = self.config.actor_rollout_ref.actor.ppo_micro_batch_size
-        parts = balanced_split([len(s) for s in samples], self.world.size)
-        return parts[self.world.rank], max(math.ceil(len(part) / size) for part in parts)
+    def update(self, batch: UpdateBatch, rng: random.Random, *, lr: float, kl_coef: float = 0.0) -> dict[str, float]:
+        """One update on this rank alone (see `run_update`)."""
+        return self.run_update(self.plan(batch, rng, lr=lr, kl_coef=kl_coef))
 
     def _mini_batch_samples(self, n_samples: int) -> int:
         """Samples per optimizer step: `ppo_mini_batch_size` counts prompts, as in verl, each
         with `rollout.n` samples (the whole batch when null)."""
         config = self.config.actor_rollout_ref
         prompts = config.actor.ppo_mini_batch_size
-        return n_samples if prompts is None else prompts * config.rollout.n
+        return max(1, n_samples if prompts is None else prompts * config.rollout.n)
 
-    def _attach_is_weights(
-        self,
-        prepared: list[tuple[Sample, dict[str, torch.Tensor]]],
-        rollout_is: Literal["token", "sequence"] | None,
-        threshold: float,
-    ) -> dict[str, float]:
-        """The rollout-correction weights of every sample, computed once over the whole batch
-        (π_old and μ do not change during the update), and their metrics, the batch's."""
-        if rollout_is is None:
+    def _cap_update_times(
+        self, samples: list[Sample], rollouts: Sequence[RolloutScore], mini: int, rng: random.Random
+    ) -> tuple[list[Sample], dict[str, float]]:
+        """Agent Lightning's `max_ppo_update_times`: at most that many mini-batches per epoch;
+        the samples beyond are dropped, those of groups whose rewards are all alike (no
+        signal) first, then at random."""
+        cap = self.config.agentlightning.max_ppo_update_times
+        n_drop = 0 if cap is None else max(0, len(samples) - mini * cap)
+        metrics = {"training/n_sample_dropped/same_reward": 0.0, "training/n_sample_dropped/random": 0.0}
+        if n_drop == 0:
+            return samples, metrics
+        rewards: dict[str, set[float]] = {}
+        for rollout in rollouts:
+            rewards.setdefault(rollout.group_id, set()).add(rollout.reward)
+        alike = [i for i, s in enumerate(samples) if len(rewards.get(s.group_id, ())) <= 1]
+        rng.shuffle(alike)
+        drop = set(alike[:n_drop])
+        others = [i for i in range(len(samples)) if i not in drop]
+        rng.shuffle(others)
+        n_random = n_drop - len(drop)
+        drop.update(others[:n_random])
+        metrics["training/n_sample_dropped/same_reward"] = float(n_drop - n_random)
+        metrics["training/n_sample_dropped/random"] = float(n_random)
+        return [s for i, s in enumerate(samples) if i not in drop], metrics
+
+    # -- the update (every rank) ----------------------------------------------------------
+
+    @property
+    def _temperature(self) -> float:
+        # vLLM records processed logprobs (after temperature: the distribution it sampled
+        # from, see VLLMEngine's logprobs_mode), so π is computed at the same temperature.
+        return self.config.actor_rollout_ref.rollout.temperature or 1.0
+
+    @property
+    def _bypass(self) -> bool:
+        return self.config.algorithm.rollout_correction.bypass_mode
+
+    def run_update(self, plan: UpdatePlan) -> dict[str, float]:
+        """The plan's optimizer steps, on every rank at once; returns token-weighted metrics
+        (the rollout correction's and the advantages' are the whole batch's), the same on
+        every rank."""
+        if not plan.samples:
             return {}
-        batch = collate([sample for sample, _ in prepared], self.pad_token_id)
+        for group in self.optimizer.param_groups:
+            group["lr"] = plan.lr
+        prepared = self._prepare(plan.samples)
+        metrics = dict(plan.metrics)
+        metrics |= self._assign_advantages(prepared, plan.rollouts, plan.kl_coef)
+        metrics |= self._decoupled_correction(prepared)
+        self._assign_divisors(prepared)
+
+        sums: dict[str, float] = {}
+        total_tokens = 0
+        self.progress.update(0, len(plan.steps))
+        skipped = 0
+        for done, indices in enumerate(plan.steps, start=1):
+            step_metrics, tokens, stepped = self._optimizer_step([prepared[i] for i in indices])
+            skipped += not stepped
+            for key, value in step_metrics.items():
+                sums[key] = sums.get(key, 0.0) + value * tokens
+            total_tokens += tokens
+            self.progress.update(done, len(plan.steps))
+        averaged = {key: value / max(total_tokens, 1) for key, value in sums.items()}
+        # A count of optimizer steps left out for want of a gradient, not a token mean.
+        return averaged | {"actor/n_skipped_steps": float(skipped)} | metrics
+
+    def _batching(self, *, old_logprobs: bool = False) -> Batching:
+        actor = self.config.actor_rollout_ref.actor
+        if old_logprobs:
+            rollout = self.config.actor_rollout_ref.rollout
+            budget = rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None
+            return Batching(self.config.old_logprob_micro_batch_size, budget)
+        return Batching(actor.micro_batch_size, actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None)
+
+    def _prepare(self, samples: Sequence[Sample]) -> list[Prepared]:
+        """π_old (or μ in bypass mode) and π_ref for every sample, each on every rank."""
+        if self._bypass:
+            old = [torch.tensor(s.behaviour_logprobs[1:], dtype=torch.float32) for s in samples]
+        else:
+            old = per_sample_logprobs(
+                self.model,
+                samples,
+                pad_token_id=self.pad_token_id,
+                temperature=self._temperature,
+                world=self.world,
+                device=self.device,
+                batching=self._batching(old_logprobs=True),
+            )
+        refs: list[torch.Tensor | None] = [None] * len(samples)
+        if self.reference is not None:
+            refs = list(self.reference.logprobs(samples, self.pad_token_id, self._temperature))
+        return [Prepared(sample, o, r) for sample, o, r in zip(samples, old, refs)]
+
+    def _batch_tensors(self, prepared: Sequence[Prepared]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The whole batch, padded: loss mask, π_old and μ (π_old where no logprobs were
+        recorded, so such a token's ratio is 1)."""
+        batch = collate([p.sample for p in prepared], self.pad_token_id)
         mask = batch["loss_mask"]
-        old = torch.zeros_like(mask)
-        for i, (_, extra) in enumerate(prepared):
-            old[i, : extra["old_logprobs"].shape[0]] = extra["old_logprobs"].float().cpu()
-        # Calls recorded without logprobs get μ = π_old (weight 1) rather than NaN.
-        behaviour = torch.where(torch.isnan(batch["behaviour_logprobs"]), old, batch["behaviour_logprobs"])
-        weights, metrics = rollout_correction_weights(old, behaviour, mask, rollout_is, threshold)
-        assert weights is not None  # rollout_is is set
-        for i, (sample, extra) in enumerate(prepared):
-            extra["is_weights"] = weights[i, : len(sample) - 1].to(self.device)
+        old = pad_rows([p.old for p in prepared], mask.shape[1])
+        behaviour = batch["behaviour_logprobs"]
+        return mask, old, torch.where(torch.isnan(behaviour), old, behaviour)
+
+    def _assign_advantages(
+        self, prepared: Sequence[Prepared], rollouts: Sequence[RolloutScore], kl_coef: float
+    ) -> dict[str, float]:
+        """Every sample's advantage: its rollout's reward (less the KL penalty when
+        `algorithm.use_kl_in_reward`), normalised within the rollout's group. Metrics: the
+        rewards the advantages see (`critic/rewards/*`; the trainer logs the scores) and the
+        advantages over trained tokens."""
+        algorithm = self.config.algorithm
+        metrics: dict[str, float] = {}
+        scores = [r.reward for r in rollouts]
+        if algorithm.use_kl_in_reward:
+            kl_sums: dict[str, float] = {}
+            per_sample: list[float] = []
+            for p in prepared:
+                assert p.ref is not None  # use_kl_in_reward builds the reference
+                mask = torch.tensor(p.sample.loss_mask[1:], dtype=torch.float32)
+                old = torch.nan_to_num(p.old)
+                kld = kl_estimate(old, p.ref, algorithm.kl_penalty, mask=mask) * mask
+                kl_sums[p.sample.rollout_id] = kl_sums.get(p.sample.rollout_id, 0.0) + float(kld.sum())
+                per_sample.append(float(kld.sum() / mask.sum().clamp(min=1)))
+            scores = penalised_scores(rollouts, kl_sums, kl_coef)
+            metrics["actor/reward_kl_penalty"] = sum(per_sample) / max(len(per_sample), 1)
+            metrics["actor/reward_kl_penalty_coeff"] = kl_coef
+        advantages = compute_advantages(
+            torch.tensor(scores, dtype=torch.float32),
+            [r.group_id for r in rollouts],
+            algorithm.adv_estimator,
+            norm_by_std=algorithm.norm_adv_by_std_in_grpo,
+        ).tolist()
+        by_rollout = {r.rollout_id: a for r, a in zip(rollouts, advantages)}
+        for p in prepared:
+            p.sample.advantage = by_rollout.get(p.sample.rollout_id, 0.0)
+        token_advantages = [(p.sample.advantage, p.sample.num_target_tokens) for p in prepared]
+        n_tokens = sum(n for _, n in token_advantages)
+        metrics |= {
+            "critic/rewards/mean": sum(scores) / len(scores),
+            "critic/rewards/max": max(scores),
+            "critic/rewards/min": min(scores),
+            "critic/advantages/mean": sum(a * n for a, n in token_advantages) / max(n_tokens, 1),
+            "critic/advantages/max": max(a for a, _ in token_advantages),
+            "critic/advantages/min": min(a for a, _ in token_advantages),
+        }
         return metrics
 
-    def _with_old_logprobs(self, samples: Sequence[Sample], temperature: float) -> list[Prepared]:
-        """Per-sample tensors (unpadded, on the host) with π_old attached: each rank computes
-        its share in micro-batches, then every rank gets every sample's."""
-        mine, n_micro = self._my_share(samples)
-        size = self.config.actor_rollout_ref.actor.ppo_micro_batch_size
-        computed: dict[int, torch.Tensor] = {}
-        with torch.no_grad():
-            self.model.eval()
-            for start in range(0, n_micro * size, size):
-                indices = mine[start : start + size]
-                # A rank out of samples still runs the forward (on a stand-in) for FSDP's gathers.
-                chunk = [samples[i] for i in indices] or [samples[0]]
-                t = {k: v.to(self.device) for k, v in collate(chunk, self.pad_token_id).items()}
-                old = token_logprobs(self.model, t["input_ids"], t["attention_mask"], temperature=temperature)
-                for row, index in enumerate(indices):
-                    computed[index] = old[row, : len(samples[index]) - 1].detach().cpu()
-            self.model.train()
-        for part in sharding.all_gather_objects(computed) if self.world.distributed else [computed]:
-            computed.update(part)
-        return [(sample, {"old_logprobs": computed[i].to(self.device)}) for i, sample in enumerate(samples)]
+    def _decoupled_correction(self, prepared: Sequence[Prepared]) -> dict[str, float]:
+        """The rollout correction's IS weights and rejection masks (π_old vs μ), computed once
+        over the whole batch (neither changes during the update), and their metrics. Bypass
+        mode has no π_old: its correction is taken per micro-batch against π_θ."""
+        correction = self.config.algorithm.rollout_correction
+        if self._bypass or (correction.rollout_is is None and correction.rollout_rs is None):
+            return {}
+        mask, old, behaviour = self._batch_tensors(prepared)
+        metrics: dict[str, float] = {}
+        keep = mask
+        if correction.rollout_rs is not None:
+            lower, upper = correction.rejection_bounds
+            keep, rs_metrics = rejection_mask(
+                old, behaviour, mask, correction.rollout_rs, upper, lower, correction.rollout_token_veto_threshold
+            )
+            metrics |= rs_metrics
+            for i, p in enumerate(prepared):
+                p.keep = keep[i, : len(p.sample) - 1].clone()
+        if correction.rollout_is is not None:
+            weights, is_metrics = importance_weights(
+                old, behaviour, keep, correction.rollout_is, correction.rollout_is_threshold
+            )
+            if correction.rollout_is_batch_normalize:
+                weights = _normalised(weights, keep)
+            metrics |= is_metrics
+            for i, p in enumerate(prepared):
+                p.is_weights = weights[i, : len(p.sample) - 1].clone()
+        return metrics
 
-    def _optimizer_step(self, chunk: list[Prepared], temperature: float) -> tuple[dict[str, float], int, bool]:
-        """One optimizer step on the mini-batch `chunk`, this rank taking its share by tokens:
-        its metrics, its loss-token count, and whether the step was taken."""
+    def _assign_divisors(self, prepared: Sequence[Prepared]) -> None:
+        """Agent Lightning's per_rollout_mean: each row divided by its rollout's trained tokens
+        over the whole batch times the batch's rows."""
+        if self.config.actor_rollout_ref.actor.policy_loss.loss_mode != "per_rollout_mean":
+            return
+        tokens = [float(p.keep.sum()) if p.keep is not None else p.sample.num_target_tokens for p in prepared]
+        divisors = rollout_row_divisors([p.sample.rollout_id for p in prepared], tokens)
+        for p, divisor in zip(prepared, divisors):
+            p.divisor = divisor
+
+    def _counts(self, chunk: Sequence[Prepared]) -> BatchCounts:
+        """The mini-batch's counts (every rank holds every sample, so no collective)."""
+        n_tokens = n_sequences = 0.0
+        for p in chunk:
+            trained = p.keep if p.keep is not None else torch.tensor(p.sample.loss_mask[1:], dtype=torch.float32)
+            tokens, sequences = local_counts(trained.unsqueeze(0))
+            n_tokens += tokens
+            n_sequences += sequences
         actor = self.config.actor_rollout_ref.actor
-        size = actor.ppo_micro_batch_size
-        parts = balanced_split([len(sample) for sample, _ in chunk], self.world.size)
-        mine = [chunk[i] for i in parts[self.world.rank]]
-        n_micro = max(math.ceil(len(part) / size) for part in parts)
-        # The token-mean's count is the whole mini-batch's, over all ranks, of the
-        # target-aligned mask the loss sums over.
-        n_tokens = sharding.all_reduce_sum(sum(sample.num_target_tokens for sample, _ in mine), self.device)
+        return BatchCounts(n_tokens, n_sequences, actor.loss_scale_factor or float(self.config.response_budget))
+
+    def _optimizer_step(self, chunk: list[Prepared]) -> tuple[dict[str, float], int, bool]:
+        """One optimizer step on the mini-batch `chunk`, this rank taking its share by tokens:
+        its metrics, its trained-token count, and whether the step was taken."""
+        actor = self.config.actor_rollout_ref.actor
+        counts = self._counts(chunk)
+        mine, n_passes = rank_passes([len(p.sample) for p in chunk], self.world, self._batching())
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for start in range(0, n_micro * size, size):
-            part = mine[start : start + size]
+        shares: dict[str, float] = {}
+        for position in range(n_passes):
+            indices = mine[position] if position < len(mine) else []
             # A rank out of samples runs a zero-weighted pass: FSDP needs every rank's backward.
-            stand_in = not part
-            part = part or chunk[:1]
-            loss, metrics, part_tokens = self._micro_batch_loss(part, temperature)
-            # Token-mean over the whole mini-batch; FSDP averages gradients over the ranks,
-            # which the world size undoes.
-            weight = 0.0 if stand_in else part_tokens * self.world.size / max(n_tokens, 1)
-            (loss * weight).backward()
-            if not stand_in:
-                for key, value in metrics.items():
-                    if isinstance(value, (int, float)) and math.isfinite(value):
-                        sums[key] = sums.get(key, 0.0) + float(value) * part_tokens
+            micro = self._micro_batch([chunk[i] for i in indices] or chunk[:1], counts)
+            # Each share is already divided by the whole mini-batch's counts; FSDP averages
+            # gradients over the ranks, which the world size undoes.
+            weight = float(self.world.size) if indices else 0.0
+            (micro.loss * weight).backward()
+            if indices:
+                for target, values in ((sums, micro.sums), (shares, micro.shares)):
+                    for key, value in values.items():
+                        target[key] = target.get(key, 0.0) + value
         grad_norm = float(
             sharding.full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), actor.grad_clip))
         )
-        # No gradient (every advantage 0: each group's rewards alike), or a broken one: no step.
-        # Adam would still move every weight along its momentum, a full-size step in an old
-        # direction, and four such steps in a row collapsed a calc run's policy (measured).
-        # The norm is the whole model's, so every rank decides alike.
+        # No gradient (every advantage 0: each group's rewards alike, no entropy or KL term),
+        # or a broken one: no step. Adam would still move every weight along its momentum, a
+        # full-size step in an old direction, and four such steps in a row collapsed a calc
+        # run's policy (measured). The norm is the whole model's, so every rank decides alike.
         stepped = math.isfinite(grad_norm) and grad_norm != 0.0
         if stepped:
             self.optimizer.step()
         if self.world.distributed:
-            totals: dict[str, float] = {}
-            for rank_sums in sharding.all_gather_objects(sums):
-                for key, value in rank_sums.items():
-                    totals[key] = totals.get(key, 0.0) + value
-            sums = totals
-        result = {key: value / max(n_tokens, 1) for key, value in sums.items()}
+            sums, shares = _summed(sharding.all_gather_objects(sums)), _summed(sharding.all_gather_objects(shares))
+        n_tokens = int(counts.n_tokens)
+        result = {key: value / max(counts.n_tokens, 1.0) for key, value in sums.items()} | shares
         result["actor/grad_norm"] = grad_norm
         result["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        if actor.use_kl_loss:
+            result["actor/kl_coef"] = actor.kl_loss_coef
         return result, n_tokens, stepped
 
-    def _micro_batch_loss(self, part: list[Prepared], temperature: float) -> tuple[torch.Tensor, dict[str, float], int]:
-        """The PPO loss (token-mean over `part`), its metrics and its count of loss tokens."""
+    def _micro_batch(self, part: Sequence[Prepared], counts: BatchCounts) -> MicroBatchResult:
+        """The loss of one forward pass (its share of the mini-batch's) and its metrics."""
         actor = self.config.actor_rollout_ref.actor
-        t = {k: v.to(self.device) for k, v in collate([s for s, _ in part], self.pad_token_id).items()}
-        width = t["loss_mask"].shape[1]
-        old = torch.zeros_like(t["loss_mask"], dtype=torch.float32)
-        weights = torch.zeros_like(old) if "is_weights" in part[0][1] else None
-        for i, (_, extra) in enumerate(part):
-            old[i, : extra["old_logprobs"].shape[0]] = extra["old_logprobs"][:width]
-            if weights is not None:
-                weights[i, : extra["is_weights"].shape[0]] = extra["is_weights"][:width]
+        correction = self.config.algorithm.rollout_correction
+        t = {k: v.to(self.device) for k, v in collate([p.sample for p in part], self.pad_token_id).items()}
         mask = t["loss_mask"]
-        behaviour = torch.where(torch.isnan(t["behaviour_logprobs"]), old, t["behaviour_logprobs"])
-        logprobs = token_logprobs(self.model, t["input_ids"], t["attention_mask"], temperature=temperature)
-        loss, metrics = ppo_policy_loss(
-            logprobs,
-            old,
-            t["advantages"],
-            mask,
-            clip_ratio=actor.clip_ratio,
-            clip_ratio_c=actor.clip_ratio_c,
-            is_weights=weights,
+        width = mask.shape[1]
+        fsdp = actor.fsdp_config
+        logprobs, entropy = logprobs_and_entropy(
+            self.model,
+            t["input_ids"],
+            t["attention_mask"],
+            self._temperature,
+            entropy_chunk_size=fsdp.entropy_chunk_size if fsdp.entropy_from_logits_with_chunking else None,
+            entropy_grad=actor.entropy_coeff > 0,
         )
-        part_tokens = int(mask.sum().item())
-        mismatch = ((behaviour - old) * mask).abs().sum().item() / max(part_tokens, 1)
-        return loss, {**metrics, "actor/behaviour_mismatch_abs": mismatch}, part_tokens
+        old = pad_rows([p.old for p in part], width, device=self.device)
+        behaviour = t["behaviour_logprobs"]
+        is_weights: torch.Tensor | None = None
+        trained = mask
+        sums: dict[str, float] = {}
+        if self._bypass:
+            # μ serves as π_old; a call recorded without logprobs is taken as on-policy.
+            old = torch.where(torch.isnan(old), logprobs.detach(), old)
+            if correction.rollout_rs is not None:
+                lower, upper = correction.rejection_bounds
+                trained, _ = rejection_mask(
+                    logprobs.detach(), old, mask, correction.rollout_rs, upper, lower,
+                    correction.rollout_token_veto_threshold,
+                )  # fmt: skip
+                sums["rollout_corr/rollout_rs_masked_fraction"] = float(((mask > 0) & (trained == 0)).sum())
+            if correction.loss_type == "reinforce" and correction.rollout_is is not None:
+                is_weights, _ = importance_weights(
+                    logprobs.detach(), old, trained, correction.rollout_is, correction.rollout_is_threshold
+                )
+            sums["rollout_corr/kl"] = float(torch.where(mask > 0, old - logprobs.detach(), 0.0).sum())
+        else:
+            if part[0].keep is not None:
+                trained = pad_rows([p.keep for p in part if p.keep is not None], width, device=self.device)
+            if part[0].is_weights is not None:
+                is_weights = pad_rows(
+                    [p.is_weights for p in part if p.is_weights is not None], width, device=self.device
+                )
+            behaviour = torch.where(torch.isnan(behaviour), old, behaviour)
+            sums["actor/behaviour_mismatch_abs"] = float(torch.where(trained > 0, (behaviour - old).abs(), 0.0).sum())
+        terms = POLICY_LOSSES[correction.loss_type](
+            PolicyLossInputs(logprobs, old, t["advantages"], trained, is_weights),
+            ClipRange(actor.clip_low, actor.clip_high, actor.clip_ratio_c),
+        )
+        if actor.policy_loss.loss_mode == "per_rollout_mean":
+            pg_loss = per_rollout_mean(terms.per_token, trained, [p.divisor for p in part])
+        else:
+            pg_loss = aggregate(terms.per_token, trained, actor.loss_agg_mode, counts)
+        loss = pg_loss
+        shares = {"actor/pg_loss": float(pg_loss.detach())}
+        if actor.entropy_coeff > 0:
+            loss = loss - actor.entropy_coeff * aggregate(entropy, trained, actor.loss_agg_mode, counts)
+        if actor.use_kl_loss:
+            ref = pad_rows([p.ref for p in part if p.ref is not None], width, device=self.device)
+            kl = aggregate(
+                kl_estimate(logprobs, ref, actor.kl_loss_type, mask=trained), trained, actor.loss_agg_mode, counts
+            )
+            loss = loss + actor.kl_loss_coef * kl
+            shares["actor/kl_loss"] = float(kl.detach())
+        on = trained > 0
+        sums |= {
+            "actor/pg_clipfrac": float(terms.clipped.sum()),
+            "actor/pg_clipfrac_lower": float(terms.dual_clipped.sum()),
+            "actor/ppo_kl": float(torch.where(on, -terms.log_ratio, 0.0).sum()),
+            "actor/entropy": float(torch.where(on, entropy.detach(), 0.0).sum()),
+        }
+        return MicroBatchResult(loss, sums, shares)
+
+
+def _normalised(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's `rollout_is_batch_normalize`: the truncated weights rescaled to mean 1 over the
+    batch's trained tokens."""
+    valid = mask > 0
+    mean = weights[valid].mean() if bool(valid.any()) else torch.tensor(1.0)
+    return torch.where(valid, weights / mean.clamp(min=1e-8), torch.zeros_like(weights))
+
+
+def _summed(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = total.get(key, 0.0) + value
+    return total

@@ -1,7 +1,8 @@
 """Turn a rollout's recorded model calls into training sequences, and pad them into a batch.
 
 A *triplet* is one recorded model call (the gateway's ``format=samples`` view):
-``{"prompt_token_ids", "response_token_ids", "response_logprobs", "policy_version"}``.
+``{"prompt_token_ids", "response_token_ids", "response_logprobs", "policy_version"}``, and with
+partial rollout ``response_version_spans``, the versions that sampled its response tokens.
 
 Merging (SPEC §5): calls are walked in order. When a call's prompt starts with the whole
 sequence built so far (previous prompts + responses + earlier extensions), only the new tail is
@@ -26,9 +27,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
+
+Cut = Literal["left", "right"]
 
 
 @dataclass
@@ -43,6 +46,7 @@ class Sample:
     token_versions: list[int]
     reward: float
     advantage: float = 0.0
+    truncated: bool = False  # cut to its token budget (see build_samples)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -71,11 +75,11 @@ class _Builder:
         self.behaviour_logprobs.extend([0.0] * len(tokens))
         self.token_versions.extend([-1] * len(tokens))
 
-    def add_response(self, tokens: Sequence[int], logprobs: Sequence[float], version: int) -> None:
+    def add_response(self, tokens: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
         self.input_ids.extend(tokens)
         self.loss_mask.extend([1] * len(tokens))
         self.behaviour_logprobs.extend(float(x) for x in logprobs)
-        self.token_versions.extend([version] * len(tokens))
+        self.token_versions.extend(versions)
 
     def extends_into(self, prompt: Sequence[int]) -> bool:
         n = len(self.input_ids)
@@ -89,6 +93,7 @@ def build_samples(
     reward: float,
     max_length: int | None,
     merge: bool = True,
+    cut: Cut = "right",
 ) -> list[Sample]:
     """Merge a rollout's calls (in call order) into as few samples as the prefix rule allows
     (`merge=False`: every call is its own sample, Agent Lightning's `transition` level).
@@ -98,8 +103,9 @@ def build_samples(
     them, replace them (e.g. with π_old) or switch rollout correction off; NaN left on masked
     tokens would poison the importance weights.
 
-    Samples longer than ``max_length`` are cut from the right (later tokens dropped, all lists
-    kept aligned). A sample left with no loss tokens (e.g. its prompt alone exceeds
+    Samples longer than ``max_length`` are cut (all lists kept aligned) and marked
+    ``truncated``: from the right (``cut="right"``: later tokens dropped) or from the left
+    (``"left"``: the earliest context dropped). A sample left with no loss tokens (e.g. its prompt alone exceeds
     ``max_length``, or the model returned nothing) teaches nothing and is dropped.
     """
     if max_length is not None and max_length < 2:
@@ -113,7 +119,7 @@ def build_samples(
     for position, triplet in enumerate(triplets):
         prompt = [int(t) for t in triplet["prompt_token_ids"]]
         response = [int(t) for t in triplet["response_token_ids"]]
-        version = int(triplet["policy_version"])
+        versions = token_versions(triplet.get("response_version_spans"), int(triplet["policy_version"]), len(response))
         recorded = triplet.get("response_logprobs")
         if recorded is None:
             logprobs = [math.nan] * len(response)
@@ -137,24 +143,74 @@ def build_samples(
             current = _Builder()
             builders.append(current)
             current.add_context(prompt)
-        current.add_response(response, logprobs, version)
+        current.add_response(response, logprobs, versions)
         this_call.append(current)
 
     samples: list[Sample] = []
     for builder in builders:
-        end = len(builder.input_ids) if max_length is None else max_length
+        n = len(builder.input_ids)
+        keep = slice(0, n) if max_length is None or n <= max_length else _cut(n, max_length, cut)
         sample = Sample(
             rollout_id=rollout_id,
             group_id=group_id,
-            input_ids=builder.input_ids[:end],
-            loss_mask=builder.loss_mask[:end],
-            behaviour_logprobs=builder.behaviour_logprobs[:end],
-            token_versions=builder.token_versions[:end],
+            input_ids=builder.input_ids[keep],
+            loss_mask=builder.loss_mask[keep],
+            behaviour_logprobs=builder.behaviour_logprobs[keep],
+            token_versions=builder.token_versions[keep],
             reward=float(reward),
+            truncated=max_length is not None and n > max_length,
         )
         if sample.num_loss_tokens > 0:
             samples.append(sample)
     return samples
+
+
+def token_versions(spans: Sequence[Sequence[int]] | None, version: int, length: int) -> list[int]:
+    """The policy version of each of a response's `length` tokens: from its recorded version
+    spans (`[first token index, version]`, oldest first: partial rollout) when it has them,
+    else all `version`."""
+    if not spans:
+        return [version] * length
+    starts = [0] + [int(start) for start, _ in spans[1:]]
+    ends = [*starts[1:], length]
+    if any(end < start for start, end in zip(starts, ends)):
+        raise ValueError(f"version spans {list(spans)} do not cover {length} response tokens in order")
+    return [int(version) for (_, version), start, end in zip(spans, starts, ends) for _ in range(end - start)]
+
+
+def _cut(n: int, max_length: int, cut: Cut) -> slice:
+    return slice(0, max_length) if cut == "right" else slice(n - max_length, n)
+
+
+@dataclass(frozen=True)
+class RolloutScore:
+    """A consumed rollout: its group and reward (a rollout with no samples still counts in its
+    group's baseline)."""
+
+    rollout_id: str
+    group_id: str
+    reward: float
+
+
+@dataclass
+class UpdateBatch:
+    """What one update consumes: the training samples and every rollout of the completed
+    groups with its reward (advantages are computed in the update, after π_old and π_ref)."""
+
+    samples: list[Sample]
+    rollouts: list[RolloutScore]
+
+
+def pad_rows(
+    rows: Sequence[torch.Tensor], width: int, fill: float = 0.0, device: torch.device | None = None
+) -> torch.Tensor:
+    """Per-sample 1-D tensors as a right-padded ``[B, width]`` float32 batch on ``device``
+    (rows longer than ``width`` are cut): the layout of ``collate``'s target-aligned tensors."""
+    out = torch.full((len(rows), width), fill, dtype=torch.float32, device=device)
+    for i, row in enumerate(rows):
+        n = min(width, row.shape[0])
+        out[i, :n] = row[:n].to(device=out.device, dtype=torch.float32)
+    return out
 
 
 def collate(samples: Sequence[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:

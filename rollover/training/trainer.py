@@ -8,30 +8,31 @@ import logging
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
-
-import torch
 
 from rollover.config import RolloverConfig, check_async_rollout
 from rollover.gateway.client import GatewayClient, is_transient
 from rollover.metrics import MetricsLogger, summarize
 from rollover.metrics.progress import NullProgress, Progress
 from rollover.retry import RetryPolicy, call_with_retries
-from rollover.store.models import RolloutState
-from rollover.training.algorithms import compute_advantages
+from rollover.store.models import ProxyState, RolloutState
 from rollover.training.data import PromptLoader
+from rollover.training.loss.kl import adaptive_kl_coef
 from rollover.training.manager import (
     AsyncRolloutManager,
     GroupedResult,
+    GroupFilter,
     Prompt,
     RolloutBackend,
     TrackedRollout,
     group_by_data_id,
 )
-from rollover.training.samples import Sample, build_samples
+from rollover.training.partial import oldest_token_version, spanning_metrics
+from rollover.training.samples import RolloutScore, Sample, UpdateBatch, build_samples
+from rollover.training.schedule import lr_factor, warmup_steps
 
 log = logging.getLogger("rollover.trainer")
 TRAINING_STATE = "training_state"  # a checkpoint's sharded model and optimizer (torch.distributed.checkpoint)
@@ -58,7 +59,9 @@ class WeightSync(Protocol):
 class PolicyLike(Protocol):
     tokenizer: Any
 
-    def update(self, samples: Sequence[Sample], rng: random.Random) -> dict[str, float]: ...
+    def update(
+        self, batch: UpdateBatch, rng: random.Random, *, lr: float, kl_coef: float = 0.0
+    ) -> dict[str, float]: ...
 
     def save(self, directory: str | Path) -> Path: ...
 
@@ -92,8 +95,11 @@ class Trainer:
             self._backend,
             self.config.actor_rollout_ref.rollout.n,
             on_poll=lambda window: self.progress.rollout_wait(window),
+            group_filter=self._group_filter(),
         )
         self.loader = PromptLoader(self.train_tasks, seed=self.config.data.seed)
+        self.kl_coef = self.config.algorithm.kl_ctrl.kl_coef  # KL in the reward; adaptive: moves
+        self._bundles: dict[str, Any] = {}  # triplet bundles the group filter fetched, by rollout id
         self.rng = random.Random(self.config.trainer.seed)
         self._carry_over_rollouts: list[TrackedRollout] = []
         self._failed_steps = 0  # steps in a row whose every completed rollout failed
@@ -104,12 +110,18 @@ class Trainer:
         # Length of the last pause (pause -> resume): the next pause is announced as lasting
         # about as long, so refused agents come back when it ends, not Retry-After later.
         self._last_pause_seconds: float | None = None
+        self._boundary_counts: ProxyState | None = None  # the gateway's, as the last rollout ended
 
     # -- the window -----------------------------------------------------------------------
 
     @property
     def async_enabled(self) -> bool:
         return self.config.agentlightning.async_rollout.enabled
+
+    @property
+    def partial_rollout(self) -> bool:
+        """Updates neither drain nor refuse agent calls (`async_rollout.partial_rollout`)."""
+        return self.async_enabled and self.config.agentlightning.async_rollout.partial_rollout
 
     @property
     def window_size(self) -> int:
@@ -131,6 +143,13 @@ class Trainer:
         aborted: list[str] = []
         for data_id, group in group_by_data_id(self._carry_over_rollouts).items():
             age = self.global_step - group[0].enqueued_step
+            if age > cap and self.partial_rollout:
+                # Its tokens may be younger than the group (partial rollout continues calls
+                # across updates): what is stale is its oldest token, never older than this.
+                oldest = oldest_token_version(
+                    await asyncio.gather(*(self.client.triplets(r.rollout_id) for r in group))
+                )
+                age = 0 if oldest is None else self.policy_version - oldest
             if age > cap and not all(r.state.terminal for r in group):
                 aborted += [r.rollout_id for r in group if not r.state.terminal]
                 self.loader.requeue(Prompt(data_id=data_id, input=group[0].input))
@@ -140,6 +159,32 @@ class Trainer:
             await self._backend.abort(aborted, f"stale: older than {cap} updates")
         self._carry_over_rollouts = kept
         return len(aborted)
+
+    def _group_filter(self) -> GroupFilter | None:
+        """`algorithm.filter_groups`: complete groups whose members all score alike leave the
+        window and new prompts take their place."""
+        filters = self.config.algorithm.filter_groups
+        if not filters.enable:
+            return None
+        bound = filters.max_num_gen_batches * self.config.data.train_batch_size or None
+        return GroupFilter(scores=self._group_scores, top_up=lambda n: self.loader.take(n), max_filtered=bound)
+
+    def _reward(self, rollout: TrackedRollout, reported: float | None) -> float:
+        """A consumed rollout's reward: what it reported, or `reward_fillna_value` when it
+        failed or reported none."""
+        fill = self.config.algorithm.reward_fillna_value
+        return fill if rollout.state == RolloutState.FAILED or reported is None else reported
+
+    async def _group_scores(self, group: list[TrackedRollout]) -> list[float]:
+        """What `algorithm.filter_groups.metric` compares within a group: the reward (score,
+        seq_reward, seq_final_reward) or whether it is positive (acc)."""
+        bundles = await asyncio.gather(*(self.client.triplets(r.rollout_id) for r in group))
+        for rollout, bundle in zip(group, bundles):
+            self._bundles[rollout.rollout_id] = bundle
+        rewards = [self._reward(r, b.reward) for r, b in zip(group, bundles)]
+        if self.config.algorithm.filter_groups.metric == "acc":
+            return [float(r > 0) for r in rewards]
+        return rewards
 
     # -- gateway --------------------------------------------------------------------------
 
@@ -152,7 +197,16 @@ class Trainer:
             self._paused_at = None
 
     async def _pause_and_drain_gateway(self) -> tuple[int, float]:
-        """Pause the proxy, record in-flight calls at that moment, wait until none are left."""
+        """Pause the proxy, record in-flight calls at that moment, wait until none are left.
+
+        With partial rollout nothing is paused or waited for: the calls in flight go on during
+        the update, each engine freezes them only across its weight load. The drain is then
+        the time to read the gateway's state (calls in flight, and its partial-rollout counts,
+        which the step's metrics take the difference of)."""
+        if self.partial_rollout:
+            started = self.clock()
+            self._boundary_counts = await self.client.proxy_state()
+            return self._boundary_counts.inflight, self.clock() - started
         gateway = self.config.gateway
         state = await self.client.pause(
             reason=f"policy update at step {self.global_step}",
@@ -209,57 +263,109 @@ class Trainer:
             budget = min(budget, aggregator.trajectory_max_total_length)
         return budget, True
 
-    async def _collect_samples(self, groups: list[list[TrackedRollout]]) -> tuple[list[Sample], dict[str, float]]:
-        fill = self.config.algorithm.reward_fillna_value
+    async def _bundle(self, rollout_id: str) -> Any:
+        cached = self._bundles.pop(rollout_id, None)
+        return cached if cached is not None else await self.client.triplets(rollout_id)
+
+    async def _collect_samples(self, groups: list[list[TrackedRollout]]) -> tuple[UpdateBatch, dict[str, float]]:
         max_length, merge = self._sample_budget()
+        truncation = self.config.data.truncation
         rewards: list[float] = []
-        group_ids: list[str] = []
-        per_rollout_samples: list[list[Sample]] = []
-        n_failed = n_missing_reward = n_timeout = 0
-        bundles = await asyncio.gather(*(self.client.triplets(r.rollout_id) for g in groups for r in g))
+        rollouts: list[RolloutScore] = []
+        all_samples: list[Sample] = []
+        n_failed = n_missing_reward = n_timeout = n_overlong = 0
         flat = [r for g in groups for r in g]
+        bundles = await asyncio.gather(*(self._bundle(r.rollout_id) for r in flat))
         for rollout, bundle in zip(flat, bundles):
-            reward = bundle.reward
             if rollout.state == RolloutState.FAILED:
                 n_failed += 1
                 n_timeout += (rollout.error_message or "").startswith("timeout")
-                reward = fill
-            elif reward is None:
+            elif bundle.reward is None:
                 n_missing_reward += 1
-                reward = fill
+            reward = self._reward(rollout, bundle.reward)
             triplets = [t.model_dump() for t in bundle.triplets]
             samples = (
-                build_samples(rollout.rollout_id, rollout.data_id, triplets, reward, max_length, merge)
+                build_samples(
+                    rollout.rollout_id,
+                    rollout.data_id,
+                    triplets,
+                    reward,
+                    max_length,
+                    merge,
+                    cut="left" if truncation == "left" else "right",
+                )
                 if triplets
                 else []
             )
+            if truncation == "error":  # an over-long sample is not trained on, and counted
+                n_overlong += sum(s.truncated for s in samples)
+                samples = [s for s in samples if not s.truncated]
             rewards.append(reward)
-            group_ids.append(rollout.data_id)
-            per_rollout_samples.append(samples)
-        advantages = compute_advantages(
-            torch.tensor(rewards, dtype=torch.float32), group_ids, self.config.algorithm.adv_estimator
-        )
-        all_samples: list[Sample] = []
-        for samples, advantage in zip(per_rollout_samples, advantages.tolist()):
-            for sample in samples:
-                sample.advantage = advantage
+            rollouts.append(RolloutScore(rollout.rollout_id, rollout.data_id, reward))
             all_samples += samples
         lags = [
             self.policy_version - v for s in all_samples for v, m in zip(s.token_versions, s.loss_mask) if m and v >= 0
         ]
         metrics = {
-            "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
+            "critic/score/mean": statistics.fmean(rewards) if rewards else 0.0,
+            "critic/score/max": max(rewards, default=0.0),
+            "critic/score/min": min(rewards, default=0.0),
             "reward/accuracy": sum(r > 0 for r in rewards) / max(len(rewards), 1),
             "rollouts/n_failed": n_failed,
             "rollouts/n_timeout": n_timeout,
             "rollouts/n_missing_reward": n_missing_reward,
             "rollouts/n_samples": len(all_samples),
             "rollouts/n_response_tokens": sum(s.num_loss_tokens for s in all_samples),
+            "training/n_overlong_samples": n_overlong,
             "policy/version": self.policy_version,
             "policy/version_lag_mean": statistics.fmean(lags) if lags else 0.0,
             "policy/version_lag_max": max(lags) if lags else 0.0,
+            **self._length_metrics(all_samples),
         }
-        return all_samples, metrics
+        return UpdateBatch(all_samples, rollouts), metrics
+
+    def _length_metrics(self, samples: list[Sample]) -> dict[str, float]:
+        """verl's length metrics, per sample: the prompt is what precedes its first trained
+        token, the response the rest (tool tokens of later turns included); a response is
+        clipped when it reached its budget."""
+        if not samples:
+            return {}
+        budget = self.config.response_budget
+        prompts = [s.loss_mask.index(1) for s in samples]
+        responses = [len(s) - p for s, p in zip(samples, prompts)]
+        clipped = [s.truncated or r >= budget for s, r in zip(samples, responses)]
+        return {
+            "response_length/mean": statistics.fmean(responses),
+            "response_length/max": max(responses),
+            "response_length/min": min(responses),
+            "response_length/clip_ratio": sum(clipped) / len(samples),
+            "prompt_length/mean": statistics.fmean(prompts),
+            "prompt_length/max": max(prompts),
+            "prompt_length/min": min(prompts),
+        }
+
+    def _learning_rate(self) -> float:
+        """The schedule's learning rate for the update at `global_step` (a pure function of the
+        step, so a resumed run picks it up where it stopped)."""
+        optim = self.config.actor_rollout_ref.actor.optim
+        total = self.total_steps
+        factor = lr_factor(
+            self.global_step,
+            warmup=warmup_steps(optim.lr_warmup_steps, optim.lr_warmup_steps_ratio, total),
+            total=total,
+            kind=optim.schedule,
+            min_lr_ratio=optim.min_lr_ratio,
+            num_cycles=optim.num_cycles,
+        )
+        return optim.lr * factor
+
+    def _adapt_kl_coef(self, update_metrics: dict[str, float], n_rollouts: int) -> None:
+        """The adaptive KL-in-reward controller moves toward `kl_ctrl.target_kl`."""
+        algorithm = self.config.algorithm
+        current = update_metrics.get("actor/reward_kl_penalty")
+        if algorithm.use_kl_in_reward and algorithm.kl_ctrl.type == "adaptive" and current is not None:
+            ctrl = algorithm.kl_ctrl
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, current, n_rollouts, ctrl.target_kl, ctrl.horizon)
 
     # -- the step -------------------------------------------------------------------------
 
@@ -314,23 +420,30 @@ class Trainer:
         previous_pause = self._last_pause_seconds  # measured by this step's resume
         rollout_wait = self.clock() - rollout_started - drain
 
-        samples, sample_metrics = await self._collect_samples(result.completed_groups)
+        batch, sample_metrics = await self._collect_samples(result.completed_groups)
+        samples = batch.samples
         completed = [r for g in result.completed_groups for r in g]
         self._check_failing(completed, int(sample_metrics["rollouts/n_failed"]))
         update_metrics: dict[str, float] = {}
         update_s = sync_s = 0.0
+        counts_after_sync: ProxyState | None = None  # partial rollout: see spanning_metrics
         n_engines = await self._live_engines()
         if samples:
             self.progress.update(0, 0)
             await self.weight_sync.before_update()
             update_started = self.clock()
-            update_metrics = await asyncio.to_thread(self.policy.update, samples, self.rng)
+            update_metrics = await asyncio.to_thread(
+                self.policy.update, batch, self.rng, lr=self._learning_rate(), kl_coef=self.kl_coef
+            )
             update_s = self.clock() - update_started
+            self._adapt_kl_coef(update_metrics, len(batch.rollouts))
             self.policy_version += 1
             self.progress.weight_sync()
             sync_started = self.clock()
             await self.weight_sync.sync(self.policy, self.policy_version)
             sync_s = self.clock() - sync_started
+            if self.partial_rollout:
+                counts_after_sync = await self.client.proxy_state()
         else:
             # An update on nothing would still bump the version and move the optimizer state;
             # the step is consumed (and counted) but the policy stays as it was.
@@ -348,7 +461,9 @@ class Trainer:
             **self._async_metrics(step, n_prev_carry_over, result, inflight, drain),
             **sample_metrics,
             **update_metrics,
+            **spanning_metrics(self._boundary_counts, counts_after_sync),
             "training/async/n_aborted_stale_rollouts": n_stale,
+            "training/n_filtered_groups": len(result.filtered_groups),
             "training/update_skipped": 0.0 if samples else 1.0,
             "timing/step_s": step_s,
             "timing/rollout_wait_s": rollout_wait,
@@ -395,10 +510,7 @@ class Trainer:
         )
         rollouts = [r for g in result.completed_groups for r in g]
         bundles = await asyncio.gather(*(self.client.triplets(r.rollout_id) for r in rollouts))
-        fill = self.config.algorithm.reward_fillna_value
-        rewards = [
-            fill if r.state == RolloutState.FAILED or b.reward is None else b.reward for r, b in zip(rollouts, bundles)
-        ]
+        rewards = [self._reward(r, b.reward) for r, b in zip(rollouts, bundles)]
         return {
             "val/reward_mean": statistics.fmean(rewards),
             "val/accuracy": sum(x > 0 for x in rewards) / len(rewards),
@@ -414,6 +526,7 @@ class Trainer:
             "loader": self.loader.state_dict(),
             "carry_over_rollouts": [r.to_json() for r in self._carry_over_rollouts],
             "rng": self.rng.getstate(),
+            "kl_coef": self.kl_coef,
         }
 
     def save_checkpoint(self) -> Path:
@@ -442,6 +555,7 @@ class Trainer:
         self._carry_over_rollouts = [TrackedRollout.from_json(r) for r in state["carry_over_rollouts"]]
         rng = state["rng"]
         self.rng.setstate((rng[0], tuple(rng[1]), rng[2]))
+        self.kl_coef = state.get("kl_coef", self.kl_coef)
 
     async def reconcile_after_restart(self) -> int:
         """After a crash the agents of unfinished rollouts are gone: abort every rollout still
@@ -478,10 +592,19 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.log(self.global_step, metrics)
 
+    @property
+    def total_steps(self) -> int:
+        """Updates of the run (`trainer.total_training_steps`, else `total_epochs` passes)."""
+        return self.config.trainer.steps(len(self.train_tasks), self.config.data.train_batch_size)
+
+    def _checkpoint_due(self, last: bool) -> bool:
+        freq = self.config.trainer.save_freq
+        return self.run_dir is not None and freq >= 0 and (last or (freq > 0 and self.global_step % freq == 0))
+
     async def fit(self) -> list[dict[str, float]]:
         trainer_cfg = self.config.trainer
-        total = trainer_cfg.total_training_steps
-        if self.global_step == 0:
+        total = self.total_steps
+        if self.global_step == 0 and trainer_cfg.val_before_train:
             val = await self.validate()
             if val:
                 self._log(val)
@@ -489,13 +612,11 @@ class Trainer:
             self.progress.step_started(self.global_step + 1, total)  # the step its metrics are logged at
             metrics = await self.train_step()
             last = self.global_step == total
-            if trainer_cfg.test_freq and self.global_step % trainer_cfg.test_freq == 0 and not last:
+            if trainer_cfg.test_freq > 0 and self.global_step % trainer_cfg.test_freq == 0 and not last:
                 metrics.update(await self.validate())
             self._log(metrics)
             self.progress.step_finished(self.global_step, metrics)
-            if self.run_dir is not None and (
-                last or (trainer_cfg.save_freq and self.global_step % trainer_cfg.save_freq == 0)
-            ):
+            if self._checkpoint_due(last):
                 self.save_checkpoint()
         await self.abort_carry_over("training finished")
         val = await self.validate()

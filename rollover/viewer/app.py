@@ -196,7 +196,8 @@ class ViewerThread:
 
 
 def _warm_imports() -> None:
-    import rollover.training.algorithms
+    import rollover.training.advantages
+    import rollover.training.manager
     import rollover.training.samples  # noqa: F401
 
 

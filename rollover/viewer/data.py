@@ -343,10 +343,13 @@ def _trained_reward(rollout: Rollout, reward: float | None, config: RolloverConf
 
 def _attach_advantages(rows: list[dict[str, Any]], config: RolloverConfig) -> None:
     """The advantage the trainer computes for each complete training group (the trainer's own
-    `compute_advantages`); none for groups still running or cut short by an abort."""
+    `compute_advantages`, before any KL in the reward); none for groups still running or cut
+    short by an abort. With `algorithm.filter_groups` on, a group whose members all scored
+    alike is marked `filtered` (the trainer's own rule, `has_signal`): it was not trained on."""
     import torch
 
-    from rollover.training.algorithms import compute_advantages
+    from rollover.training.advantages import compute_advantages
+    from rollover.training.manager import has_signal
 
     groups: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
@@ -359,10 +362,21 @@ def _attach_advantages(rows: list[dict[str, Any]], config: RolloverConfig) -> No
     fill = config.algorithm.reward_fillna_value
     rewards = [fill if r["state"] == RolloutState.FAILED.value or r["reward"] is None else r["reward"] for r in members]
     advantages = compute_advantages(
-        torch.tensor(rewards, dtype=torch.float32), [r["group"] for r in members], config.algorithm.adv_estimator
+        torch.tensor(rewards, dtype=torch.float32),
+        [r["group"] for r in members],
+        config.algorithm.adv_estimator,
+        norm_by_std=config.algorithm.norm_adv_by_std_in_grpo,
     )
+    by_group: dict[str, list[float]] = {}
+    for row, reward in zip(members, rewards):
+        by_group.setdefault(row["group"], []).append(reward)
+    filters = config.algorithm.filter_groups
     for row, advantage in zip(members, advantages.tolist()):
-        row["advantage"] = advantage
+        scores = by_group[row["group"]]
+        if filters.enable and not has_signal([float(x > 0) for x in scores] if filters.metric == "acc" else scores):
+            row["filtered"] = True
+        else:
+            row["advantage"] = advantage
 
 
 def _dict(value: Any) -> dict[str, Any]:
@@ -382,6 +396,7 @@ def _call(event: Event) -> dict[str, Any]:
         "mode": data.get("mode"),
         "endpoint": data.get("endpoint"),
         "policy_version": data.get("policy_version"),
+        "version_spans": data.get("response_version_spans"),  # partial rollout: [[first token, version], ...]
         "latency_s": data.get("latency_s"),
         "status_code": data.get("status_code"),
         "messages": request.get("messages"),

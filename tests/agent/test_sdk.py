@@ -7,7 +7,7 @@ import time
 import pytest
 
 from rollover.agent import AgentContext, AgentEnvError
-from rollover.gateway.auth import scoped_key
+from rollover.gateway.keys import scoped_key
 from tests.conftest import ADMIN_KEY
 
 HERE = os.path.dirname(__file__)
@@ -25,7 +25,7 @@ def agent_env(gateway, rollout_id):
 def rollout(admin, stub):
     admin.post("/api/models", json=[{"model": "policy", "endpoint": stub.base_url}])
     r = admin.post("/api/rollouts", json=[{"input": {"question": "2+2"}}]).json()[0]
-    admin.patch(f"/api/rollouts/{r['rollout_id']}", json={"status": {"state": "running"}})
+    admin.patch(f"/api/rollouts/{r['rollout_id']}", json={"status": {"state": "running", "last_attempt_id": "a1"}})
     return r["rollout_id"]
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,3 +66,13 @@ def agl_validate(agl_python: Path, schema: str, payload: object, many: bool = Fa
         [str(agl_python), "-c", script], input=json.dumps(payload), capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, f"not a valid agentlightning.schemas.{schema}: {result.stderr[-3000:]}"
+
+
+def agl_run(agl_python: Path, script: str, payload: object = None, *args: str) -> Any:
+    """Run `script` with the peer's Python, `payload` as JSON on its stdin and `args` as its
+    arguments; the JSON it prints last (it fails the test if the script fails)."""
+    result = subprocess.run(
+        [str(agl_python), "-c", script, *args], input=json.dumps(payload), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, f"the Agent Lightning peer refused it: {result.stderr[-3000:]}"
+    return json.loads(result.stdout.strip().splitlines()[-1])

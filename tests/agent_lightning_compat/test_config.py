@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rollover.config import load_config
+from rollover.engine.weights import INDEX_FILE
 from rollover.processes import free_port
 from rollover.store import RolloutStore
 from tests.runs import train_briefly
@@ -30,8 +31,11 @@ def test_agent_lightning_default_config_loads(agl_package_dir, caplog):
     assert config.gateway.admin_key is None  # agl_key "" = no key: Rollover generates one
     assert config.agentlightning.local.agent_class == AGENT
     assert config.agentlightning.trace_aggregator.level == "trajectory"
-    warned = " ".join(r.getMessage() for r in caplog.records)
-    assert "'hydra', 'defaults'" in warned and "policy_loss.loss_mode" in warned
+    # its defaults mean the same here: per_rollout_mean is the loss, entropy is computed
+    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "per_rollout_mean"
+    assert config.actor_rollout_ref.actor.calculate_entropy is True
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "'hydra', 'defaults'" in warned[0], warned
 
 
 @pytest.mark.vllm
@@ -55,10 +59,14 @@ def test_agent_lightning_config_starts_a_run(agl_package_dir, tmp_path, calc_mod
         "agentlightning.async_rollout.enabled=true",
         "agentlightning.async_rollout.async_train_batch_size=4",
         "trainer.logger=[jsonl]",
+        # science_world and swe_smith set it: the synced weights come in files of at most 1 MiB
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=1",
         engine=vllm_engine,
     )
     assert train[0]["training/async/n_completed_rollouts"] == 4
-    assert train[0]["reward/mean"] == 1.0 and train[0]["rollouts/n_samples"] >= 4
+    [synced] = (tmp_path / "agl" / "weights" / "node0").iterdir()
+    assert len(set(json.loads((synced / INDEX_FILE).read_text())["weight_map"].values())) > 1
+    assert train[0]["critic/score/mean"] == 1.0 and train[0]["rollouts/n_samples"] >= 4
     store = RolloutStore(tmp_path / "agl" / "store.db")
     try:
         import asyncio

@@ -143,3 +143,44 @@ def test_train_step_smoke(capsys):
         assert r["tokens"] > 0 and r["update_s_median"] > 0 and r["tokens_per_s"] > 0
     assert results[0]["tokens"] == results[1]["tokens"]  # the same batch on both
     assert out[0].startswith("ranks") and len(out) == 4  # header, one row per rank count, JSON
+
+
+@pytest.mark.slow
+def test_update_cost_smoke(capsys):
+    from benchmarks import update_cost
+
+    assert (
+        update_cost.main(
+            ["--samples", "4", "--length", "32", "--repeats", "1", "--hidden", "64", "--layers", "1", "--json"]
+        )
+        == 0
+    )
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [v["name"] for v in figures["variants"]] == list(update_cost.VARIANTS)
+    assert all(v["update_s"] > 0 for v in figures["variants"])
+    assert figures["variants"][2]["reference_s"] > 0 and figures["variants"][0]["reference_s"] == 0
+    memory = figures["memory_bytes"]
+    assert memory["reference_params"] == memory["actor_params"]  # a frozen copy: weights, no grads or moments
+    assert memory["actor_optimizer"] == 2 * memory["actor_params"]  # AdamW's two moments
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_weight_sync_full_vs_lora_smoke(tmp_path):
+    """The tiny model synced whole and as a LoRA adapter (its own two engines): the adapter
+    moves fewer bytes, and the figures come out in one line."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "weight_sync.py"
+    argv = ["--only", "tiny", "--lora-rank", "8", "--repeats", "1", "--workdir", str(tmp_path)]
+    done = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    print(done.stdout)
+    line = next(x for x in done.stdout.splitlines() if "full vs LoRA r8" in x)
+    full_mb, lora_mb = (float(v) for v in re.findall(r"bytes moved ([\d.]+) MB vs ([\d.]+) MB", line)[0])
+    assert 0 < lora_mb < full_mb
+    memory_full, memory_lora = (float(v) for v in re.findall(r"peak memory (\d+) MB vs (\d+) MB", line)[0])
+    assert memory_full > 0 and memory_lora > 0

@@ -55,6 +55,8 @@ def run_overrides(root: Path, calc_model: Path, name: str, *extra: str) -> list[
         "data.val_batch_size=8",
         "agentlightning.async_rollout.enabled=true",
         "agentlightning.async_rollout.async_train_batch_size=8",
+        # plumbing, not learning: no zero-variance filter (its top-ups cost whole extra groups)
+        "algorithm.filter_groups.enable=false",
         *extra,
     ]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rollover.distributed.split import balanced_split
-from rollover.training.samples import Sample
+from rollover.training.samples import RolloutScore, Sample, UpdateBatch
 
 pytestmark = pytest.mark.slow  # two launches of real ranks, ~10 s each
 
@@ -47,8 +47,9 @@ def model_dir(tmp_path_factory):
     return folder
 
 
-def uneven_samples(vocab: int) -> list[Sample]:
-    """7 samples (odd, so 2 ranks cannot split them evenly) of very different lengths."""
+def uneven_samples(vocab: int) -> UpdateBatch:
+    """7 samples (odd, so 2 ranks cannot split them evenly) of very different lengths, from 6
+    rollouts (the last rollout split into two samples) in 4 groups."""
     rng = random.Random(1)
     samples = []
     for i, length in enumerate([5, 31, 9, 17, 4, 23, 12]):
@@ -56,10 +57,10 @@ def uneven_samples(vocab: int) -> list[Sample]:
         prompt = 2
         mask = [0] * prompt + [1] * (length - prompt)
         behaviour = [0.0] * prompt + [-rng.uniform(0.5, 4.0) for _ in range(length - prompt)]
-        sample = Sample(f"r{i}", f"g{i // 2}", ids, mask, behaviour, [0] * length, reward=float(i % 2))
-        sample.advantage = 1.0 if i % 2 else -1.0
-        samples.append(sample)
-    return samples
+        rollout = min(i, 5)
+        samples.append(Sample(f"r{rollout}", f"g{rollout // 2}", ids, mask, behaviour, [0] * length, rollout % 2))
+    rollouts = list({s.rollout_id: RolloutScore(s.rollout_id, s.group_id, s.reward) for s in samples}.values())
+    return UpdateBatch(samples, rollouts)
 
 
 def launch(n_ranks: int, *args: str | Path) -> None:
@@ -110,6 +111,82 @@ def test_two_ranks_take_the_step_one_rank_takes(updates, model_dir):
     assert metrics_one.keys() == metrics_two.keys()
     for key in ("actor/pg_loss", "actor/ppo_kl", "actor/grad_norm"):
         assert metrics_two[key] == pytest.approx(metrics_one[key], rel=1e-4, abs=1e-7), key
+
+
+# Every loss aggregation, Agent Lightning's per_rollout_mean, the KL and entropy terms, token-
+# budget micro-batches and bypass mode with rejection sampling: each must take on 2 ranks the
+# step 1 rank takes (the update's counts are the whole mini-batch's, not a rank's).
+MODES = {
+    "token-mean": [],
+    "seq-mean-token-sum": ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum"],
+    "seq-mean-token-mean": ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"],
+    "seq-mean-token-sum-norm": [
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+        "actor_rollout_ref.actor.loss_scale_factor=16",
+    ],
+    "per-rollout-mean": ["actor_rollout_ref.actor.policy_loss.loss_mode=per_rollout_mean"],
+    "kl-and-entropy": [
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.5",
+        "actor_rollout_ref.actor.kl_loss_type=k3+",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "algorithm.use_kl_in_reward=true",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+    ],
+    "dynamic-bsz": [
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40",
+    ],
+    "bypass-rejection": [
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.rollout_rs=geometric",
+        "algorithm.rollout_correction.rollout_rs_threshold=30",
+        "algorithm.rollout_correction.rollout_is=null",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def mode_updates(model_dir, tmp_path_factory):
+    """Each mode's update on 1 rank and on 2 ranks (one launch each): their work folders."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    folders = {}
+    for n_ranks in (1, 2):
+        work = tmp_path_factory.mktemp(f"modes-{n_ranks}")
+        (work / "samples.pkl").write_bytes(pickle.dumps((uneven_samples(vocab), 7)))
+        (work / "modes.json").write_text(json.dumps(list(MODES.items())))
+        launch(n_ranks, model_dir, work, "modes")
+        folders[n_ranks] = work
+    return folders
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_loss_mode_takes_the_same_step_on_two_ranks(mode_updates, model_dir, mode):
+    from safetensors.torch import load_file
+
+    initial = load_file(model_dir / "model.safetensors")
+    one, two = (torch.load(mode_updates[n] / f"{mode}.pt") for n in (1, 2))
+    assert relative_difference({k: initial[k] for k in one}, one) > 1e-3, "the update must move the weights"
+    assert relative_difference(one, two) < 1e-5
+    metrics_one, metrics_two = (pickle.loads((mode_updates[n] / f"{mode}.pkl").read_bytes()) for n in (1, 2))
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert metrics_two[key] == pytest.approx(metrics_one[key], rel=1e-4, abs=1e-7), key
+    if mode == "kl-and-entropy":
+        assert metrics_two["actor/kl_loss"] == pytest.approx(metrics_one["actor/kl_loss"], rel=1e-4, abs=1e-9)
+
+
+def test_the_modes_take_different_steps(mode_updates):
+    """The modes are not one update under eight names."""
+    weights = {mode: torch.load(mode_updates[1] / f"{mode}.pt") for mode in MODES}
+    for mode in MODES:
+        if mode != "token-mean" and mode != "dynamic-bsz":
+            assert relative_difference(weights["token-mean"], weights[mode]) > 1e-4, mode
+    # token-budget micro-batches change the passes, not the maths
+    assert relative_difference(weights["token-mean"], weights["dynamic-bsz"]) < 1e-5
 
 
 @pytest.mark.parametrize(("saved_on", "loaded_on"), [(2, 1), (1, 2)])

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollover.engine.weights import save_weights
-from rollover.gateway.auth import scoped_key
+from rollover.gateway.keys import scoped_key
 from rollover.gateway.server import GatewayThread
 from tests.conftest import ADMIN_KEY
 
@@ -20,7 +20,7 @@ PROMPT = [{"role": "user", "content": "What is 12+30?"}]
 def running_rollout(gateway):
     admin = httpx.Client(base_url=gateway.url, headers={"x-api-key": ADMIN_KEY}, timeout=60)
     rid = admin.post("/api/rollouts", json=[{"input": {}}]).json()[0]["rollout_id"]
-    admin.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running"}})
+    admin.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running", "last_attempt_id": "a1"}})
     return admin, rid
 
 

@@ -74,7 +74,7 @@ async def test_kill_mid_request_is_a_json_error_swept_and_the_watchdog_restores_
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     from rollover.engine.watchdog import EngineWatchdog
-    from rollover.gateway.auth import scoped_key
+    from rollover.gateway.keys import scoped_key
     from rollover.gateway.server import GatewayThread
 
     with GatewayThread(admin_key=ADMIN_KEY) as gateway, small_engine(tiny_model_dir, tmp_path) as engine:
@@ -84,7 +84,8 @@ async def test_kill_mid_request_is_a_json_error_swept_and_the_watchdog_restores_
             admin = {"x-api-key": ADMIN_KEY}
             [rollout] = (await http.post("/api/rollouts", json=[{"input": {}}], headers=admin)).json()
             rid = rollout["rollout_id"]
-            await http.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running"}}, headers=admin)
+            running = {"status": {"state": "running", "last_attempt_id": "a1"}}
+            await http.patch(f"/api/rollouts/{rid}", json=running, headers=admin)
             url = f"/proxy/rollout/{rid}/attempt/a1/mode/train/openai/v1/chat/completions"
             body = {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 8}
             agent = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid, 'a1')}"}

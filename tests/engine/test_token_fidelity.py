@@ -8,6 +8,7 @@ rollout-correction weights exp(π_old − μ) are ~1 on fresh data.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,44 @@ def test_logprobs_match_after_weight_sync(vllm_engine: VLLMEngine, tiny_model_di
         restore_weights(vllm_engine, tiny_model_dir)
     assert stats["max_abs"] < 1e-3 and stats["mean_abs"] < 1e-4 and stats["top_max_abs"] < 1e-3
     assert abs(stats["kl_k3"]) < 1e-6
+
+
+class _Gathered:
+    """The trainer's policy as the weight sync sees it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def full_state_dict(self, *, keep: bool) -> dict[str, torch.Tensor]:
+        return dict(self.model.state_dict())
+
+
+def test_logprobs_match_after_a_sharded_weight_sync(
+    vllm_engine: VLLMEngine, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """checkpoint_engine.update_weights_bucket_megabytes: the weights in several files of at
+    most that size (1 MiB shards the tiny model's ~2 MiB) and the engine serves all of them."""
+    from transformers import AutoModelForCausalLM
+
+    from rollover.engine.weight_sync import EngineWeightSync
+    from rollover.engine.weights import INDEX_FILE
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    sync = EngineWeightSync([vllm_engine], tmp_path / "weights", bucket_megabytes=1)
+    version = vllm_engine.policy_version + 1
+    asyncio.run(sync.sync(_Gathered(model), version))
+    try:
+        assert vllm_engine.weights_dir == tmp_path / "weights" / f"v{version}"
+        shards = json.loads((vllm_engine.weights_dir / INDEX_FILE).read_text())["weight_map"].values()
+        assert len(set(shards)) > 1
+        stats = compare(vllm_engine, model, "after a sharded weight sync")
+    finally:
+        restore_weights(vllm_engine, tiny_model_dir)
+    assert stats["max_abs"] < 1e-3 and stats["mean_abs"] < 1e-4 and stats["top_max_abs"] < 1e-3
 
 
 def test_logprobs_are_the_sampled_distributions_at_a_temperature(vllm_engine: VLLMEngine, tiny_model_dir: Path) -> None:

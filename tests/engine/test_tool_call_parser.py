@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rollover.config import load_config
+from rollover.distributed.world import World
+from rollover.engine.pool import node_engines
 from rollover.engine.tool_calls import resolve_tool_call_parser
 from rollover.engine.vllm_engine import VLLMEngine
 from rollover.modelzoo.chat_template import chatml_template
@@ -45,6 +49,48 @@ def test_a_parser_in_the_engine_args_wins(tmp_path):
         ],
     )
     flags = config.actor_rollout_ref.rollout.vllm_flags()
-    assert flags == ["--tool-call-parser", "pythonic", "--enable-auto-tool-choice", "--max-num-seqs", "8"]
+    assert flags == [
+        "--enforce-eager",
+        "--no-enable-prefix-caching",  # a rollout key's flag: false is vLLM's --no- form
+        "--tool-call-parser",
+        "pythonic",
+        "--enable-auto-tool-choice",
+        "--max-num-seqs",
+        "8",
+    ]
     command = VLLMEngine(model, extra_args=flags).command()
     assert command.count("--tool-call-parser") == 1 and command.count("--enable-auto-tool-choice") == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "parser"),
+    [
+        ([], "hermes"),  # auto, no format: read off the template
+        (["actor_rollout_ref.rollout.multi_turn.format=llama3_json"], "llama3_json"),
+        (["actor_rollout_ref.rollout.multi_turn.format=hermes"], "hermes"),
+        (
+            [
+                "actor_rollout_ref.rollout.multi_turn.format=llama3_json",
+                "actor_rollout_ref.rollout.tool_call_parser=pythonic",
+            ],
+            "pythonic",  # a parser named outright wins over the format
+        ),
+        (
+            [
+                "actor_rollout_ref.rollout.multi_turn.format=llama3_json",
+                "actor_rollout_ref.rollout.tool_call_parser=null",
+            ],
+            None,
+        ),
+    ],
+)
+def test_multi_turn_format_picks_the_parser_of_the_runs_engines(tmp_path, overrides, parser):
+    model = _model(tmp_path, chatml_template())  # auto alone would pick hermes for it
+    config = load_config(None, ["trainer.device=cpu", *overrides])
+    [engine] = node_engines(config, model, tmp_path, World())
+    assert engine.tool_call_parser == parser
+    command = engine.command()
+    if parser is None:
+        assert "--tool-call-parser" not in command and "--enable-auto-tool-choice" not in command
+    else:
+        assert command[command.index("--tool-call-parser") + 1] == parser and "--enable-auto-tool-choice" in command

@@ -226,5 +226,5 @@ def test_gsm8k_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch):
     for row in train_rows:
         assert row["training/async/n_completed_rollouts"] == 2 * 4
         assert row["rollouts/n_failed"] == 0 and row["rollouts/n_missing_reward"] == 0
-        assert 0.0 <= row["reward/mean"] <= 1.0
+        assert 0.0 <= row["critic/score/mean"] <= 1.0
     assert val_rows and all(r["val/n_failed"] == 0 for r in val_rows)

@@ -23,7 +23,7 @@ from examples.smith.sandbox import Limits, TestReport, run_tests
 from examples.smith.task import TEMPLATES, apply_fix, check_repo, make_tasks, write_repo
 from rollover.config import load_config
 from rollover.controller.job_template import JobTemplate, build_job
-from rollover.gateway.auth import scoped_key
+from rollover.gateway.keys import scoped_key
 from rollover.gateway.server import GatewayThread, free_port, wait_healthy
 from rollover.training.data import write_tasks
 from tests.conftest import ADMIN_KEY
@@ -404,7 +404,8 @@ def test_agent_fixes_the_bug_with_a_scripted_policy(tasks, scripted_policy):
     ):
         admin.post("/api/models", json=[{"model": "policy", "endpoint": endpoint}]).raise_for_status()
         rollout_id = admin.post("/api/rollouts", json=[{"input": task}]).json()[0]["rollout_id"]
-        admin.patch(f"/api/rollouts/{rollout_id}", json={"status": {"state": "running"}}).raise_for_status()
+        running = {"status": {"state": "running", "last_attempt_id": "a1"}}
+        admin.patch(f"/api/rollouts/{rollout_id}", json=running).raise_for_status()
         env = dict(
             os.environ,
             AGL_OPENAI_BASE_URL=f"{gateway.url}/proxy/rollout/{rollout_id}/attempt/a1/mode/train/openai/v1",
@@ -540,4 +541,4 @@ def test_smith_learns_the_protocol_on_the_tiny_model(tmp_path):
     print(f"smith: held-out reward before {before:.3f} after {after:.3f}")
     assert 0 < before < 1, f"the warm-up should leave the protocol uncertain: held-out reward {before:.3f}"
     assert after >= before + 0.2, f"no learning signal: held-out reward {before:.3f} -> {after:.3f}"
-    assert train_rows[-1]["reward/mean"] > train_rows[0]["reward/mean"]
+    assert train_rows[-1]["critic/score/mean"] > train_rows[0]["critic/score/mean"]

@@ -339,7 +339,7 @@ def test_two_training_steps_through_the_real_system(tmp_path: Path, calc_model: 
     for row in train:
         assert row["training/async/n_completed_rollouts"] == 2
         assert row["rollouts/n_failed"] == 0 and row["rollouts/n_missing_reward"] == 0
-        assert 0.0 <= row["reward/mean"] <= 1.0
+        assert 0.0 <= row["critic/score/mean"] <= 1.0
     assert val and all(r["val/n_failed"] == 0 for r in val)
     # multi-turn episodes that ran to the step cap or ended on their own, never on a refused call
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "smoke" / "agent_logs").iterdir())

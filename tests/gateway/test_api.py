@@ -3,7 +3,7 @@
 import httpx
 import pytest
 
-from rollover.gateway.auth import scoped_key
+from rollover.gateway.keys import scoped_key
 from rollover.store.models import Event, Rollout
 from tests.conftest import ADMIN_KEY
 
@@ -154,7 +154,14 @@ def test_models_registry(admin):
     assert admin.post("/api/models", json=[{"model": "policy", "endpoint": "http://127.0.0.1:1/v1"}]).status_code == 201
     admin.post("/api/models", json=[{"model": "policy", "endpoint": "http://127.0.0.1:1/v1", "policy_version": 3}])
     assert admin.get("/api/models").json() == [
-        {"model": "policy", "endpoint": "http://127.0.0.1:1/v1", "policy_version": 3, "live": True, "version": 3}
+        {
+            "model": "policy",
+            "endpoint": "http://127.0.0.1:1/v1",
+            "policy_version": 3,
+            "live": True,
+            "frozen": False,
+            "version": 3,
+        }
     ]
     # Agent Lightning's name for it is read too
     admin.post("/api/models", json=[{"model": "policy", "endpoint": "http://127.0.0.1:1/v1", "version": 4}])

@@ -11,13 +11,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from rollover.gateway.auth import scoped_key
+from rollover.gateway.keys import scoped_key
 from tests.conftest import ADMIN_KEY
 
 
 def running(admin: httpx.Client) -> str:
     rid = admin.post("/api/rollouts", json=[{"input": {"q": 1}}]).json()[0]["rollout_id"]
-    assert admin.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running"}}).status_code == 200
+    running = {"status": {"state": "running", "last_attempt_id": "a1"}}
+    assert admin.patch(f"/api/rollouts/{rid}", json=running).status_code == 200
     return rid
 
 
@@ -197,3 +198,59 @@ def test_an_upstream_nan_logprob_is_recorded_once_as_null_and_answered_200(gatew
     [call] = admin.get(f"/api/rollouts/{rid}/events", params={"format": "samples"}).json()["triplets"]
     assert call["response_logprobs"] is None and call["response_token_ids"] == [5, 6]
     assert admin.get(f"/api/rollouts/{rid}/events", params={"format": "triplet"}).status_code == 200
+
+
+# -- integers out of range: every integer the API takes is bounded (SQLite's are 64-bit) ----
+
+BIG = 2**64  # past SQLite's INTEGER: was a 500 (OverflowError) where it reached a query
+INT64 = 2**63 - 1
+ENGINE = {"model": "m", "endpoint": "http://e/v1"}
+
+
+@pytest.mark.parametrize(
+    "method,path,body,parameter",
+    [
+        ("GET", f"/api/rollouts/terminal?after={BIG}", None, "after"),
+        ("GET", f"/api/rollouts/terminal?after={INT64 + 1}", None, "after"),
+        ("GET", "/api/rollouts/terminal?after=-1", None, "after"),
+        ("GET", f"/api/rollouts/terminal?limit={BIG}", None, "limit"),
+        ("GET", "/api/rollouts/terminal?limit=0", None, "limit"),
+        ("GET", f"/api/rollouts?limit={BIG}", None, "limit"),
+        ("GET", "/api/rollouts?limit=0", None, "limit"),
+        ("GET", f"/proxy/state?wait_drained={BIG}", None, "wait_drained"),
+        ("POST", "/api/models", [ENGINE | {"policy_version": INT64 + 1}], "policy_version"),
+        ("POST", "/api/models", [ENGINE | {"policy_version": BIG}], "policy_version"),
+        ("POST", "/api/models", [ENGINE | {"version": INT64 + 1}], "policy_version"),  # Agent Lightning's name
+        ("POST", "/api/models", [ENGINE | {"policy_version": -1}], "policy_version"),
+        ("POST", "/api/rollouts", [{"config": {"timeout_seconds": 2**31}}], "timeout_seconds"),
+        ("POST", "/api/rollouts", [{"config": {"timeout_seconds": 1e300}}], "timeout_seconds"),
+        ("POST", "/api/rollouts", [{"config": {"timeout_seconds": BIG}}], "timeout_seconds"),
+        ("POST", "/api/rollouts", [{"config": {"timeout_seconds": 0}}], "timeout_seconds"),
+        ("POST", "/proxy/pause", {"retry_after_seconds": BIG}, "retry_after_seconds"),
+        ("POST", "/proxy/pause", {"expected_seconds": BIG}, "expected_seconds"),
+    ],
+)
+def test_an_integer_out_of_range_is_a_4xx_naming_it_and_changes_nothing(admin, method, path, body, parameter):
+    finished = running(admin)  # a finished rollout: the terminal cursor has a row to page over
+    admin.patch(f"/api/rollouts/{finished}", json={"status": {"state": "succeeded"}}).raise_for_status()
+    before = store_dump(admin), admin.get("/api/models").json(), admin.get("/proxy/state").json()
+    refused = assert_refused(admin.request(method, path, json=body), 422)
+    assert parameter in refused["reason"], refused
+    assert (store_dump(admin), admin.get("/api/models").json(), admin.get("/proxy/state").json()) == before
+
+
+def test_the_largest_cursor_is_an_empty_page(admin):
+    finished = running(admin)
+    admin.patch(f"/api/rollouts/{finished}", json={"status": {"state": "failed"}}).raise_for_status()
+    first = admin.get("/api/rollouts/terminal").json()
+    assert [i["rollout_id"] for i in first["items"]] == [finished] and first["next_after"] == 1
+    last = admin.get("/api/rollouts/terminal", params={"after": INT64, "limit": 100000})
+    assert last.status_code == 200, last.text
+    assert last.json() == {"items": [], "next_after": INT64, "total_terminal": 1}
+
+
+@pytest.mark.parametrize("version", [0, INT64])
+def test_policy_versions_up_to_the_largest_are_registered(admin, version):
+    registered = admin.post("/api/models", json=[{"model": "m", "endpoint": "http://e/v1", "version": version}])
+    assert registered.status_code == 201, registered.text
+    assert [m["policy_version"] for m in admin.get("/api/models").json()] == [version]

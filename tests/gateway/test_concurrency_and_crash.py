@@ -9,12 +9,13 @@ import time
 import httpx
 import pytest
 
-from rollover.gateway.auth import scoped_key
+from rollover.gateway.keys import scoped_key
 from rollover.gateway.server import GatewayProcess
 from rollover.testing.stub_upstream import StubBehaviour, StubUpstream
 from tests.conftest import ADMIN_KEY
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+RUN_A1 = {"status": {"state": "running", "last_attempt_id": "a1"}}  # the attempt the tests post to
 
 
 async def make_running_rollouts(client: httpx.AsyncClient, count: int) -> list[str]:
@@ -22,9 +23,7 @@ async def make_running_rollouts(client: httpx.AsyncClient, count: int) -> list[s
         await client.post("/api/rollouts", json=[{"input": {"i": i}} for i in range(count)], headers=ADMIN)
     ).json()
     for r in created:
-        assert (
-            await client.patch(f"/api/rollouts/{r['rollout_id']}", json={"status": {"state": "running"}}, headers=ADMIN)
-        ).status_code == 200
+        assert (await client.patch(f"/api/rollouts/{r['rollout_id']}", json=RUN_A1, headers=ADMIN)).status_code == 200
     return [r["rollout_id"] for r in created]
 
 
@@ -114,7 +113,7 @@ def test_sigkill_mid_traffic_loses_nothing_acknowledged(tmp_path):
                     if client.post("/api/rollouts", json=[{"rollout_id": rid, "input": i}]).status_code != 201:
                         continue
                     acknowledged_rollouts.add(rid)
-                    if client.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running"}}).status_code != 200:
+                    if client.patch(f"/api/rollouts/{rid}", json=RUN_A1).status_code != 200:
                         continue
                     response = client.post(
                         f"/api/rollouts/{rid}/attempt/a1/events", json={"event_type": "reward", "data": {"value": i}}

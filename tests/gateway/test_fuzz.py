@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollover.gateway.auth import scoped_key
+from rollover.gateway.keys import scoped_key
 from rollover.gateway.server import GatewayThread
 from rollover.testing.stub_upstream import StubUpstream
 from tests.conftest import ADMIN_KEY
@@ -237,7 +237,8 @@ def test_auth_matrix_on_every_endpoint(fuzzed):
     admin.patch(f"/api/rollouts/{RUN}", json={"status": {"state": "queuing"}}).raise_for_status()
     admin.patch(f"/api/rollouts/{RUN}", json={"status": {"state": "running", "last_attempt_id": "a2"}})
     admin.post("/api/rollouts", json=[{"rollout_id": OTHER}, {"rollout_id": "fz-doomed"}]).raise_for_status()
-    admin.patch(f"/api/rollouts/{OTHER}", json={"status": {"state": "running"}}).raise_for_status()
+    claim = {"status": {"state": "running", "last_attempt_id": "a1"}}
+    admin.patch(f"/api/rollouts/{OTHER}", json=claim).raise_for_status()
     keys: dict[str, str | None] = {
         "none": None,
         "wrong": "not-the-key",

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollover.gateway.auth import scoped_key
+from rollover.gateway.keys import scoped_key
 from rollover.gateway.server import GatewayProcess
 from tests.conftest import ADMIN_KEY
 from tests.gateway.test_bad_input import assert_refused, proxy_path, running, store_dump

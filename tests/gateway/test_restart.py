@@ -12,8 +12,8 @@ import pytest
 
 from rollover.agent import AgentContext
 from rollover.gateway import server as gateway_server
-from rollover.gateway.auth import scoped_key
 from rollover.gateway.client import GatewayClient
+from rollover.gateway.keys import scoped_key
 from rollover.gateway.server import GatewayDied, GatewayProcess, GatewayThread, GatewayWatchdog, PortTaken
 from rollover.processes import free_port
 from tests.conftest import ADMIN_KEY, serve_http
@@ -48,7 +48,8 @@ def test_a_gateway_on_an_existing_store_takes_over_its_pause_and_models(tmp_path
         # Still paused for agents too, and told to come back when the announced pause ends.
         created = httpx.post(f"{second.url}/api/rollouts", json=[{"input": {}}], headers=ADMIN).json()
         rid = created[0]["rollout_id"]
-        httpx.patch(f"{second.url}/api/rollouts/{rid}", json={"status": {"state": "running"}}, headers=ADMIN)
+        running = {"status": {"state": "running", "last_attempt_id": "a1"}}
+        httpx.patch(f"{second.url}/api/rollouts/{rid}", json=running, headers=ADMIN)
         refused = httpx.post(
             f"{second.url}/proxy/rollout/{rid}/attempt/a1/mode/train/openai/v1/chat/completions",
             json={"messages": []},
@@ -73,7 +74,7 @@ async def test_the_client_and_the_agent_sdk_ride_out_a_gateway_that_is_down(tmp_
         with GatewayThread(store=store, admin_key=ADMIN_KEY, port=port):
             await asyncio.wait_for(asyncio.gather(listing, enqueue), 60)
             assert [r.rollout_id for r in await client.list_rollouts()] == ["r-late"]
-            await client.update_status("r-late", state="running")
+            await client.update_status("r-late", state="running", last_attempt_id="a1")
         # Down again: the SDK's reward post waits for the gateway to come back.
         context = AgentContext(
             openai_base_url=client.proxy_base_url("r-late", "a1"),

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from rollover.gateway.client import GatewayClient, NotFoundError
-from rollover.gateway.proxy import ModelRegistry
+from rollover.gateway.registry import ModelRegistry
 from rollover.gateway.server import GatewayThread
 from rollover.store.models import ModelEndpoint
 from rollover.testing.stub_upstream import StubUpstream

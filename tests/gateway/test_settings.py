@@ -4,7 +4,7 @@ import httpx
 import pytest
 
 from rollover.config import ConfigError, GatewaySettings, load_config
-from rollover.gateway.auth import scoped_key
+from rollover.gateway.keys import scoped_key
 from rollover.gateway.server import GatewayProcess, GatewayThread
 from tests.conftest import ADMIN_KEY
 
@@ -13,7 +13,8 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 def _running_rollout(client: httpx.Client) -> str:
     [rollout] = client.post("/api/rollouts", json=[{"input": {}}], headers=ADMIN).json()
-    client.patch(f"/api/rollouts/{rollout['rollout_id']}", json={"status": {"state": "running"}}, headers=ADMIN)
+    running = {"status": {"state": "running", "last_attempt_id": "a1"}}
+    client.patch(f"/api/rollouts/{rollout['rollout_id']}", json=running, headers=ADMIN)
     return rollout["rollout_id"]
 
 

@@ -98,8 +98,8 @@ def test_a_simulated_run_reports_every_phase_of_every_step():
 def test_summary_lines():
     history = [
         {"step": 0, "val/reward_mean": 0.367},
-        {"step": 1, "reward/mean": 0.5},
-        {"step": 2, "reward/mean": 0.75},
+        {"step": 1, "critic/score/mean": 0.5},
+        {"step": 2, "critic/score/mean": 0.75},
         {"step": 2, "val/reward_mean": 0.992},
     ]
     summary = RunSummary.from_history(history, steps=2, wall_s=312.0, run_dir=Path("runs/calc"))

@@ -21,10 +21,10 @@ def test_summarize_quantiles():
 def test_jsonl_and_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     logger = MetricsLogger(tmp_path, ["jsonl", "wandb", "console"], experiment="t")
-    logger.log(1, {"reward/mean": 0.5, "training/async/proxy_drain_seconds": 0.1, "bad": float("nan")})
+    logger.log(1, {"critic/score/mean": 0.5, "training/async/proxy_drain_seconds": 0.1, "bad": float("nan")})
     logger.close()
     [row] = read_jsonl(tmp_path / "metrics.jsonl")
-    assert row["step"] == 1 and row["reward/mean"] == 0.5 and "bad" not in row
+    assert row["step"] == 1 and row["critic/score/mean"] == 0.5 and "bad" not in row
     assert list((tmp_path / "wandb").glob("offline-run-*"))
 
 
@@ -32,7 +32,7 @@ def recorded_run(tmp_path):
     rows = [
         {
             "step": s,
-            "reward/mean": 0.1 * s,
+            "critic/score/mean": 0.1 * s,
             "training/async/n_new_carry_over_rollouts": 4 - s % 3,
             "timing/step_s": 2.0 + s,
         }
@@ -59,7 +59,7 @@ def test_report_cli_errors_are_clear(tmp_path, capsys):
 
 def evaluated_run(tmp_path, config=True):
     """Training metrics at steps 0..10, held-out ones at 0, 5 and 10, and the launcher's config.yaml."""
-    rows = [{"step": s, "reward/mean": 0.05 * s, "timing/step_s": 1.0 + s} for s in range(11)]
+    rows = [{"step": s, "critic/score/mean": 0.05 * s, "timing/step_s": 1.0 + s} for s in range(11)]
     for row in rows:
         if row["step"] in (0, 5, 10):
             row |= {"val/reward_mean": 0.2 + 0.02 * row["step"], "val/accuracy": 0.3 + 0.03 * row["step"]}
@@ -88,7 +88,7 @@ def test_report_draws_held_out_points_as_markers_and_names_mode_and_model(tmp_pa
             held_out = lines[f"{key} (held-out)"]
             assert list(held_out.get_xdata()) == [0, 5, 10]
             assert held_out.get_linestyle() == "None" and held_out.get_marker() not in (None, "None", "", " ")
-        train = lines["reward/mean"]
+        train = lines["critic/score/mean"]
         assert list(train.get_xdata()) == list(range(11)) and train.get_linestyle() == "-"
         title = figure.get_suptitle()
         assert "async (async_train_batch_size=8, train_batch_size=4)" in title

@@ -39,7 +39,7 @@ def test_lifecycle_and_attempts(store):
         [r] = await store.add_rollouts([RolloutCreate(input={"q": 1}, metadata={"data_id": "d"})])
         assert r.state == RolloutState.QUEUING and r.attempts == []
         r = await store.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING))
-        assert r.status.last_attempt_id == "a1" and r.started_at is not None
+        assert r.status.last_attempt_id == "0" and r.started_at is not None  # Agent Lightning's default id
         r = await store.update_status(r.rollout_id, StatusFields(state=RolloutState.QUEUING, error_message="boom"))
         assert r.attempts[0].state == RolloutState.FAILED and r.attempts[0].error_message == "boom"
         r = await store.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING, last_attempt_id="a2"))
@@ -48,6 +48,33 @@ def test_lifecycle_and_attempts(store):
         assert [a.state for a in r.attempts] == [RolloutState.FAILED, RolloutState.SUCCEEDED]
         assert r.finished_at >= r.started_at >= r.created_at
         return r
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "named,started",
+    [
+        ([None], ["0"]),  # Agent Lightning's default attempt id
+        ([None, None, None], ["0", "1", "2"]),  # run again after a re-queue: the next number
+        (["a1", None], ["a1", "1"]),  # Rollover's controller names its attempts
+        (["1", None], ["1", "2"]),  # a number already taken is skipped
+        (["a1", "a2"], ["a1", "a2"]),
+    ],
+)
+def test_running_without_an_attempt_id_starts_the_default_one(store, named, started):
+    async def scenario():
+        [r] = await store.add_rollouts([RolloutCreate()])
+        for position, attempt_id in enumerate(named):
+            if position:
+                await store.update_status(r.rollout_id, StatusFields(state=RolloutState.QUEUING))
+            fields = {"state": RolloutState.RUNNING} | ({} if attempt_id is None else {"last_attempt_id": attempt_id})
+            r = await store.update_status(r.rollout_id, StatusFields(**fields))
+            assert r.status.last_attempt_id == started[position]
+        assert [a.attempt_id for a in r.attempts] == started
+        assert store.snapshot(r.rollout_id).attempts == tuple(started)
+        # the attempt exists: it takes events
+        await store.add_event(r.rollout_id, started[-1], EventCreate(event_type="reward", data={"value": 1}))
 
     run(scenario())
 
@@ -89,7 +116,7 @@ def test_events_need_a_known_attempt_and_triplets_take_the_last_reward(store):
         [r] = await store.add_rollouts([RolloutCreate()])
         with pytest.raises(RolloutNotFound):
             await store.add_event("nope", "a1", EventCreate(event_type="reward", data={"value": 1}))
-        await store.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING))
+        await store.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING, last_attempt_id="a1"))
         call = {"prompt_token_ids": [1, 2], "response_token_ids": [3], "response_logprobs": [-0.5], "policy_version": 4}
         await store.add_event(r.rollout_id, "a1", EventCreate(event_type="model_request", data=call))
         await store.add_event(r.rollout_id, "a1", EventCreate(event_type="reward", data={"value": 0.0}))
@@ -130,7 +157,7 @@ def test_reopening_the_file_keeps_everything(tmp_path):
 
     async def write():
         [r] = await first.add_rollouts([RolloutCreate(input={"x": 1})])
-        await first.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING))
+        await first.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING, last_attempt_id="a1"))
         await first.add_event(r.rollout_id, "a1", EventCreate(event_type="reward", data={"value": 0.5}))
         return r.rollout_id
 
@@ -175,10 +202,10 @@ def test_one_group_commit_keeps_the_writes_beside_a_refused_one(tmp_path):
         a, b, c = await store.add_rollouts([RolloutCreate() for _ in range(3)])
         commits_before = store._checkpointer.commits
         results = await asyncio.gather(
-            store.update_status(a.rollout_id, StatusFields(state=RolloutState.RUNNING)),
+            store.update_status(a.rollout_id, StatusFields(state=RolloutState.RUNNING, last_attempt_id="a1")),
             store.update_status(b.rollout_id, StatusFields(state=RolloutState.SUCCEEDED)),  # illegal
             store.add_event(c.rollout_id, "a1", EventCreate(event_type="reward", data={"value": 1})),  # no attempt yet
-            store.update_status(c.rollout_id, StatusFields(state=RolloutState.RUNNING)),
+            store.update_status(c.rollout_id, StatusFields(state=RolloutState.RUNNING, last_attempt_id="a1")),
             store.add_event(a.rollout_id, "a1", EventCreate(event_type="reward", data={"value": 2})),
             return_exceptions=True,
         )
@@ -242,7 +269,7 @@ def test_event_ids_grow_and_are_never_reused_after_deletes_and_restarts(tmp_path
 
     async def started(store):
         [r] = await store.add_rollouts([RolloutCreate(input={})])
-        await store.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING))
+        await store.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING, last_attempt_id="a1"))
         return r.rollout_id
 
     async def post(store, rollout_id, count):
@@ -278,7 +305,7 @@ def test_a_file_made_with_autoincrement_event_ids_goes_on_after_its_highest(tmp_
 
     async def one_event():
         [r] = await store.add_rollouts([RolloutCreate(input={})])
-        await store.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING))
+        await store.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING, last_attempt_id="a1"))
         return (
             await store.add_event(r.rollout_id, "a1", EventCreate(event_type="reward", data={"value": 1.0}))
         ).event_id
@@ -302,3 +329,22 @@ def test_generated_rollout_ids_are_unique_and_in_the_order_they_were_made(store)
     assert len(set(ids)) == 128
     assert all(len(i) == 34 and i.startswith("r-") and int(i[2:], 16) >= 0 for i in ids)
     assert max(first) < min(second)
+
+
+def test_a_config_stored_with_a_null_timeout_is_answered_without_one(tmp_path):
+    """Files written before the wire left out a missing timeout (Agent Lightning's `int`
+    refuses null) have `"timeout_seconds": null` in their configs: read back as no timeout."""
+    path = tmp_path / "old.db"
+    store = RolloutStore(path)
+    [r] = run(store.add_rollouts([RolloutCreate(input=1)]))
+    store.close()
+    with sqlite3.connect(path) as conn:
+        (config,) = conn.execute("SELECT config FROM rollouts").fetchone()
+        assert "timeout_seconds" not in json.loads(config)  # as written now
+        old = json.dumps(json.loads(config) | {"timeout_seconds": None})
+        conn.execute("UPDATE rollouts SET config=?", (old,))
+    store = RolloutStore(path)
+    rollout = run(store.get_rollout(r.rollout_id))
+    store.close()
+    assert rollout.config.timeout_seconds is None
+    assert "timeout_seconds" not in json.loads(rollout.model_dump_json())["config"]

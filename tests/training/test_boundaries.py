@@ -1,10 +1,15 @@
 """`rollover/training/` depends on protocols and wire types, never on the parts that carry
-them out: those are wired together in `rollover/launch.py` only."""
+them out: those are wired together in `rollover/launch.py` only. The gateway's clients import
+no web server."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import rollover
 
@@ -40,3 +45,24 @@ def test_training_imports_no_engine_gateway_server_or_controller() -> None:
         if any(name == bad or name.startswith(bad + ".") for bad in FORBIDDEN)
     }
     assert not found, sorted(found)
+
+
+# The gateway's clients, and what each part that talks to it imports: none needs the server.
+GATEWAY_CLIENTS = (
+    "rollover.gateway.client",
+    "rollover.training.trainer",
+    "rollover.controller.controller",
+    "rollover.controller.agent_env",
+    "rollover.engine.vllm_engine",
+    "rollover.engine.watchdog",
+    "rollover.agent",
+)
+
+
+@pytest.mark.parametrize("module", GATEWAY_CLIENTS)
+def test_gateway_clients_import_no_web_server(module: str) -> None:
+    """Importing `gateway.client` (or a part that uses it) loads neither FastAPI nor uvicorn:
+    `rollover.gateway` re-exports nothing of the server."""
+    probe = f"import sys, {module}; print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]", f"importing {module} loads {loaded}"

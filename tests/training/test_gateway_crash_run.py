@@ -69,7 +69,14 @@ def test_a_run_rides_out_a_sigkilled_gateway(tmp_path, calc_model, vllm_engine):
     steps = 2
     with GatewayKiller(tmp_path / "crash" / "metrics.jsonl") as killer:
         train, _ = train_briefly(
-            CALC_CONFIG, tmp_path, calc_model, "crash", steps, "data.val_batch_size=8", engine=vllm_engine
+            CALC_CONFIG,
+            tmp_path,
+            calc_model,
+            "crash",
+            steps,
+            "data.val_batch_size=8",
+            "algorithm.filter_groups.enable=false",  # plumbing: no top-up groups
+            engine=vllm_engine,
         )
     assert killer.killed, "the gateway was never killed"
     assert [row["step"] for row in train] == list(range(1, steps + 1))
@@ -88,6 +95,7 @@ def test_a_run_whose_gateway_cannot_come_back_stops_naming_it(tmp_path, calc_mod
             "trainer.total_training_steps=3",
             "data.val_batch_size=8",
             "gateway.max_restarts=0",
+            "algorithm.filter_groups.enable=false",
         ],
     )
     with GatewayKiller(tmp_path / "dead" / "metrics.jsonl") as killer:

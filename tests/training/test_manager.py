@@ -100,3 +100,64 @@ def test_wrong_group_size_is_an_assertion():
     lonely = [TrackedRollout(rollout_id="x", data_id="g", input=None, enqueued_step=0)]
     with pytest.raises(AssertionError, match="actor_rollout_ref.rollout.n=4"):
         asyncio.run(manager.enqueue_and_wait_until_group_completed([], lonely, 1, step=0))
+
+
+class GroupScript(ScriptedBackend):
+    """Each wait() finishes every member of the groups (data ids) the script names next, or
+    every running rollout for "*"."""
+
+    async def wait(self) -> None:
+        await asyncio.sleep(0)
+        self.waits += 1
+        self.clock += 1.0
+        if not self.script:
+            raise AssertionError("the manager waited although the script is over")
+        names = self.script.pop(0)
+        for r in self.enqueued:
+            if (r.data_id in names or "*" in names) and self.states[r.rollout_id] == RolloutState.RUNNING:
+                self.states[r.rollout_id] = RolloutState.SUCCEEDED
+
+
+def test_a_group_whose_members_scored_alike_neither_counts_nor_trains_and_is_replaced():
+    from rollover.training.manager import GroupFilter
+
+    backend = GroupScript()
+    scores = {"a": [1.0, 1.0], "b": [1.0, 0.0], "c": [0.0, 0.0], "d": [0.0, 1.0], "e": [1.0, 0.0]}  # a, c: alike
+    fresh = iter("de")
+
+    async def group_scores(group):
+        return scores[group[0].data_id]
+
+    manager = AsyncRolloutManager(
+        backend, train_rollout_n=2, group_filter=GroupFilter(group_scores, lambda n: prompts(next(fresh)))
+    )
+    backend.script = [["a", "c"], ["b"], ["e"], ["d"]]
+    result = asyncio.run(manager.enqueue_and_wait_until_group_completed(prompts("a", "b", "c"), [], 3, step=0))
+    assert [g[0].data_id for g in result.completed_groups] == ["b", "e", "d"]
+    assert sorted(g[0].data_id for g in result.filtered_groups) == ["a", "c"]
+    # one new group per filtered one, enqueued at once: the window stayed three groups wide
+    enqueued = [r.data_id for r in backend.enqueued]
+    assert enqueued.count("d") == 2 and enqueued.count("e") == 2
+    assert not result.new_carry_over_rollouts
+
+
+def test_the_filter_gives_up_with_one_line_when_no_group_has_signal():
+    from rollover.training.manager import GroupFilter, NoSignal
+
+    backend = GroupScript()
+    fresh = iter(range(100))
+
+    async def all_solved(group):
+        return [1.0, 1.0]
+
+    manager = AsyncRolloutManager(
+        backend,
+        train_rollout_n=2,
+        group_filter=GroupFilter(all_solved, lambda n: prompts(f"p{next(fresh)}"), max_filtered=3),
+    )
+    backend.script = [["*"]] * 10
+    with pytest.raises(NoSignal) as excinfo:
+        asyncio.run(manager.enqueue_and_wait_until_group_completed(prompts("a", "b"), [], 1, step=0))
+    message = str(excinfo.value)
+    assert "3 complete groups" in message and "3 at 1" in message and "max_num_gen_batches" in message
+    assert "\n" not in message

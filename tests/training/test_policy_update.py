@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rollover.config import load_config
 from rollover.training.policy import Policy
-from rollover.training.samples import Sample
+from rollover.training.samples import RolloutScore, Sample, UpdateBatch
 
 
 class _Tok:
@@ -19,7 +19,15 @@ class _Tok:
 
 def tiny_policy(overrides=()):
     torch.manual_seed(0)
-    config = load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-2", "trainer.device=cpu", *overrides])
+    config = load_config(
+        None,
+        [
+            "actor_rollout_ref.actor.optim.lr=1e-2",
+            "trainer.device=cpu",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla",  # verl's token-mean unless a test says
+            *overrides,
+        ],
+    )
     policy = Policy.__new__(Policy)
     policy.config = config
     policy.device = torch.device("cpu")
@@ -36,7 +44,16 @@ def tiny_policy(overrides=()):
         )
     )
     policy.optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-2, weight_decay=0.0)
+    policy.reference = None
     return policy
+
+
+def update(policy, samples, rng=None):
+    """One update on `samples`, each its own rollout whose reward is its `reward` (samples
+    sharing a group id form a group: advantages are computed within it)."""
+    rollouts = list({s.rollout_id: RolloutScore(s.rollout_id, s.group_id, s.reward) for s in samples}.values())
+    lr = policy.config.actor_rollout_ref.actor.optim.lr
+    return policy.update(UpdateBatch(samples, rollouts), rng or random.Random(0), lr=lr)
 
 
 def sequence_logprob(policy, ids):
@@ -45,9 +62,9 @@ def sequence_logprob(policy, ids):
     return sum(logits[t, ids[t + 1]].item() for t in range(2, len(ids) - 1))
 
 
-def make_sample(ids, advantage, rid):
+def make_sample(ids, reward, rid, group="g"):
     mask = [0, 0, 0] + [1] * (len(ids) - 3)
-    return Sample(rid, "g", ids, mask, [0.0] * len(ids), [0] * len(ids), reward=0.0, advantage=advantage)
+    return Sample(rid, group, ids, mask, [0.0] * len(ids), [0] * len(ids), reward=reward)
 
 
 @pytest.mark.parametrize("rollout_is", [None, "token", "sequence"])
@@ -63,7 +80,7 @@ def test_update_raises_good_and_lowers_bad(rollout_is):
         s.behaviour_logprobs = [0.0] + [lp[t, s.input_ids[t + 1]].item() for t in range(len(s.input_ids) - 1)]
     metrics = {}
     for _ in range(5):
-        metrics = policy.update(samples, random.Random(0))
+        metrics = update(policy, samples)
     after = sequence_logprob(policy, good), sequence_logprob(policy, bad)
     assert after[0] > before[0] + 0.5
     assert after[1] < before[1] - 0.5
@@ -76,7 +93,7 @@ def test_zero_advantage_changes_nothing():
     policy = tiny_policy()
     ids = [2, 3, 4, 5, 6, 7]
     before = sequence_logprob(policy, ids)
-    policy.update([make_sample(ids, 0.0, "a")], random.Random(0))
+    update(policy, [make_sample(ids, 0.0, "a"), make_sample(ids, 0.0, "b")])
     assert sequence_logprob(policy, ids) == pytest.approx(before, abs=1e-6)
 
 
@@ -98,7 +115,7 @@ def optimizer_steps(policy, samples):
             seen.append(total)
 
     policy.progress = Count()
-    policy.update(samples, random.Random(0))
+    update(policy, samples)
     return seen[-1]
 
 
@@ -120,9 +137,9 @@ def test_the_token_mean_counts_the_target_aligned_mask():
     # is exactly -1; counting the first token would report (and scale the gradient by) 3/4.
     policy = tiny_policy()
     ids = [2, 3, 4, 5]
-    sample = Sample("a", "g", ids, [1, 1, 1, 1], [0.0] * 4, [0] * 4, reward=1.0, advantage=1.0)
+    sample = Sample("a", "g", ids, [1, 1, 1, 1], [0.0] * 4, [0] * 4, reward=1.0)  # a group of one: A = 1
     assert sample.num_target_tokens == 3 and sample.num_loss_tokens == 4
-    metrics = policy.update([sample], random.Random(0))
+    metrics = update(policy, [sample])
     assert metrics["actor/pg_loss"] == pytest.approx(-1.0, abs=1e-6)
 
 
@@ -141,7 +158,7 @@ def test_rollout_correction_metrics_are_the_whole_batchs_before_truncation():
         [make_sample([2, 3, 4, 5, 6, 7], 1.0, "a"), make_sample([2, 3, 4, 8, 9], -1.0, "b")],
         log_ratios=[math.log(3.0), 0.0],
     )
-    metrics = policy.update(samples, random.Random(0))
+    metrics = update(policy, samples)
     assert metrics["rollout_corr/is_max"] == pytest.approx(3.0, rel=1e-4)  # not C, not a micro-batch mean
     assert metrics["rollout_corr/rollout_is_max"] == metrics["rollout_corr/is_max"]
     assert metrics["rollout_corr/rollout_is_min"] == pytest.approx(1.0, rel=1e-4)
@@ -158,11 +175,11 @@ def test_a_mini_batch_without_gradient_takes_no_optimizer_step():
     policy = tiny_policy()
     good, bad = [2, 3, 4, 5, 6, 7], [2, 3, 4, 8, 9, 10]
     for _ in range(3):
-        policy.update([make_sample(good, 1.0, "a"), make_sample(bad, -1.0, "b")], random.Random(0))
+        update(policy, [make_sample(good, 1.0, "a"), make_sample(bad, -1.0, "b")])
     weights = [p.detach().clone() for p in policy.model.parameters()]
-    metrics = policy.update([make_sample(good, 0.0, "a"), make_sample(bad, 0.0, "b")], random.Random(0))
+    metrics = update(policy, [make_sample(good, 0.0, "a"), make_sample(bad, 0.0, "b")])
     assert metrics["actor/grad_norm"] == 0.0 and metrics["actor/n_skipped_steps"] >= 1
     assert all(torch.equal(before, after) for before, after in zip(weights, policy.model.parameters()))
-    moved = policy.update([make_sample(good, 1.0, "a"), make_sample(bad, -1.0, "b")], random.Random(0))
+    moved = update(policy, [make_sample(good, 1.0, "a"), make_sample(bad, -1.0, "b")])
     assert moved["actor/n_skipped_steps"] == 0
     assert not all(torch.equal(before, after) for before, after in zip(weights, policy.model.parameters()))

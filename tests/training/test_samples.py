@@ -165,3 +165,43 @@ def test_each_choice_of_a_call_is_its_own_sample_and_the_next_call_extends_the_o
     assert samples[0].loss_mask == [0, 0, 0, 1, 1, 0, 1]
     assert samples[1].loss_mask == [0, 0, 0, 0, 0, 0, 1, 1, 0, 1]
     assert samples[1].behaviour_logprobs[6:] == [-0.4, -0.5, 0.0, -0.6]
+
+
+def test_an_over_long_sample_is_cut_from_the_side_data_truncation_names() -> None:
+    call = [_call([1, 2, 3, 4], [10, 11, 12], [-0.1, -0.2, -0.3], 0)]
+    right = build_samples("r", "g", call, 1.0, max_length=5)[0]
+    left = build_samples("r", "g", call, 1.0, max_length=5, cut="left")[0]
+    assert right.input_ids == [1, 2, 3, 4, 10] and right.truncated
+    assert left.input_ids == [3, 4, 10, 11, 12] and left.loss_mask == [0, 0, 1, 1, 1] and left.truncated
+    assert left.behaviour_logprobs == [0.0, 0.0, -0.1, -0.2, -0.3]
+    assert not build_samples("r", "g", call, 1.0, max_length=7)[0].truncated
+
+
+def test_truncation_error_trains_no_over_long_sample_and_counts_it() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from rollover.config import load_config
+    from rollover.store.models import RolloutState
+    from rollover.training.manager import TrackedRollout
+    from rollover.training.trainer import Trainer
+
+    calls = {
+        "short": [_call([1, 2], [10, 11], [-0.1, -0.2], 0)],
+        "long": [_call([1, 2, 3, 4, 5], [10] * 6, [-0.1] * 6, 0)],
+    }
+
+    class Client:
+        async def triplets(self, rollout_id: str) -> Any:
+            return SimpleNamespace(
+                reward=1.0, triplets=[SimpleNamespace(model_dump=lambda c=c: c) for c in calls[rollout_id]]
+            )
+
+    config = load_config(None, ["data.max_prompt_length=4", "data.max_response_length=4", "data.truncation=error"])
+    trainer = Trainer(config=config, client=Client(), policy=None, weight_sync=None, train_tasks=[{"id": 1}])  # type: ignore[arg-type]
+    group = [TrackedRollout(rid, "g", {}, 0, state=RolloutState.SUCCEEDED) for rid in calls]
+    batch, metrics = asyncio.run(trainer._collect_samples([group]))
+    assert [s.rollout_id for s in batch.samples] == ["short"]
+    assert [r.rollout_id for r in batch.rollouts] == ["short", "long"]  # it still counts in its group's baseline
+    assert metrics["training/n_overlong_samples"] == 1
+    assert metrics["response_length/max"] == 2 and metrics["prompt_length/mean"] == 2

@@ -73,7 +73,7 @@ def test_drain_timeout_names_the_stuck_rollouts(gateway, admin, stub):
     admin.post("/api/models", json=[{"model": "policy", "endpoint": stub.base_url}])
     [rollout] = admin.post("/api/rollouts", json=[{"input": {}}]).json()
     rid = rollout["rollout_id"]
-    admin.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running"}})
+    admin.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running", "last_attempt_id": "a1"}})
     url = f"{gateway.url}/proxy/rollout/{rid}/attempt/a1/mode/train/openai/v1/chat/completions"
     call = threading.Thread(
         target=lambda: httpx.post(url, json={"messages": []}, headers={"x-api-key": ADMIN_KEY}, timeout=30)
@@ -109,7 +109,9 @@ def test_a_step_without_samples_is_reported_and_leaves_the_policy_alone(caplog):
 
     real_update, real_sync = sim.trainer.policy.update, sim.trainer.weight_sync.sync
     sim.gateway.triplets = nothing_in_step_0
-    sim.trainer.policy.update = lambda samples, rng: updates.append(len(samples)) or real_update(samples, rng)
+    sim.trainer.policy.update = lambda batch, rng, **kw: (
+        updates.append(len(batch.samples)) or real_update(batch, rng, **kw)
+    )
 
     async def counting_sync(policy, version):
         syncs.append(version)

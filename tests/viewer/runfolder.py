@@ -83,6 +83,8 @@ async def _fill(store: RolloutStore) -> None:
         )
 
     async def run(rid: str, attempt: str | None = None) -> str:
+        # named as Rollover's controller names them: a1, a2...
+        attempt = attempt or f"a{len(store.snapshot(rid).attempts) + 1}"
         fields = StatusFields(state=RolloutState.RUNNING, last_attempt_id=attempt)
         return (await store.update_status(rid, fields)).status.last_attempt_id or ""
 
@@ -147,7 +149,7 @@ def write_run(run_dir: Path) -> Path:
         logger.log(
             step,
             {
-                "reward/mean": 0.25 * step,
+                "critic/score/mean": 0.25 * step,
                 "training/async/n_prev_carry_over_rollouts": 2 * (step - 1),
                 "training/async/n_completed_rollouts": 2,
                 "training/async/n_new_carry_over_rollouts": 2,

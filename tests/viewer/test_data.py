@@ -113,11 +113,11 @@ def test_metrics_skip_the_line_being_written(folder):
     rows = folder.metrics()
     assert [r["step"] for r in rows] == [0, 1, 2, 2]
     with open(folder.metrics_path, "a") as handle:
-        handle.write('{"step": 3, "reward/me')  # the trainer is mid-write
+        handle.write('{"step": 3, "critic/score/me')  # the trainer is mid-write
     assert [r["step"] for r in folder.metrics()] == [0, 1, 2, 2]
     with open(folder.metrics_path, "a") as handle:
         handle.write('an": 1.0}\n')
-    assert folder.metrics()[-1] == {"step": 3, "reward/mean": 1.0}
+    assert folder.metrics()[-1] == {"step": 3, "critic/score/mean": 1.0}
 
 
 def test_timeline_lays_out_each_step_from_its_metrics(folder):
@@ -160,13 +160,13 @@ def test_bulk_rewards_read_like_triplets(tmp_path):
     async def scenario():
         await store.add_rollouts([RolloutCreate(rollout_id=r) for r in ("a", "b", "c")])
         for rid in ("a", "b"):
-            await store.update_status(rid, StatusFields(state=RolloutState.RUNNING))
+            await store.update_status(rid, StatusFields(state=RolloutState.RUNNING, last_attempt_id="a1"))
         await store.add_event("a", "a1", EventCreate(event_type="reward", data={"value": 0.2}))
         await store.add_event("a", "a1", EventCreate(event_type="reward", data={"value": 0.9}))  # last one wins
         await store.record_event("a", "a1", "reward", {"value": "bad"})  # one stored before rewards were checked
         await store.update_status("b", StatusFields(state=RolloutState.QUEUING))  # retried: a1 failed
         await store.add_event("b", "a1", EventCreate(event_type="reward", data={"value": 1.0}))
-        await store.update_status("b", StatusFields(state=RolloutState.RUNNING))  # a2 has no reward yet
+        await store.update_status("b", StatusFields(state=RolloutState.RUNNING, last_attempt_id="a2"))  # no reward yet
         bulk = await store.rewards(["a", "b", "c"])
         each = {rid: (await store.triplets(rid)).reward for rid in ("a", "b", "c")}
         return bulk, each
@@ -182,7 +182,7 @@ def test_reading_while_a_writer_writes(tmp_path):
     path = tmp_path / "store.db"
     writer = RolloutStore(path)
     run(writer.add_rollouts([RolloutCreate(rollout_id="r", metadata={"data_id": "g"})]))
-    run(writer.update_status("r", StatusFields(state=RolloutState.RUNNING)))
+    run(writer.update_status("r", StatusFields(state=RolloutState.RUNNING, last_attempt_id="a1")))
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "time": time.time()}) + "\n")
     stop = threading.Event()
     errors: list[BaseException] = []

@@ -17,7 +17,7 @@ const SEED_ASYNC = [
   "training/async/proxy_drain_seconds",
 ];
 const CHARTS = [
-  { title: "reward", keys: ["reward/mean", "reward/accuracy", "val/reward_mean", "val/accuracy"] },
+  { title: "reward", keys: ["critic/score/mean", "reward/accuracy", "val/reward_mean", "val/accuracy"] },
   ...SEED_ASYNC.map((key) => ({ title: key.replace("training/async/", ""), keys: [key], seed: true })),
   { title: "rollout time (s)", keys: ["timing/rollout_queue_wait_s/mean", "timing/rollout_run_duration_s/mean",
     "timing/rollout_run_duration_s/p90", "timing/rollout_total_s/max"] },
@@ -25,7 +25,8 @@ const CHARTS = [
     "timing/weight_sync_s", "timing/gateway_pause_s"] },
   { title: "staleness (policy versions)", keys: ["policy/version_lag_mean", "policy/version_lag_max",
     "training/async/n_completed_from_carry_over"] },
-  { title: "policy loss", keys: ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl"] },
+  { title: "policy loss", keys: ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss"] },
+  { title: "entropy and filtered groups", keys: ["actor/entropy", "training/n_filtered_groups"] },
   { title: "rollout correction", keys: ["rollout_corr/is_mean", "rollout_corr/is_max",
     "rollout_corr/clipped_fraction", "rollout_corr/kl"] },
 ];
@@ -208,7 +209,7 @@ function runFacts() {
     ["steps", `${steps} / ${run.total_training_steps}`],
     ["batch", `${run.train_batch_size} groups × n=${run.n} (${window})`],
     ["estimator", run.adv_estimator],
-    ["last reward", fmt(lastWith(rows, "reward/mean"))],
+    ["last reward", fmt(lastWith(rows, "critic/score/mean"))],
     ["held-out", `${fmt(firstWith(rows, "val/reward_mean"))} → ${fmt(lastWith(rows, "val/reward_mean"))}`],
   ];
   return el("div", { class: "card facts" },
@@ -296,6 +297,11 @@ async function viewTimeline() {
 const FILTERS = ["step", "state", "mode", "group", "reward_min", "reward_max"];
 const PAGE = 500;
 
+// A group the zero-variance filter took out (every member scored alike) has no advantage.
+function advantageText(row) {
+  return row.filtered ? "filtered: no signal" : fmt(row.advantage);
+}
+
 function rolloutRow(row) {
   return el("tr", { class: "clickable", dataset: { rollout: row.rollout_id },
     onclick: () => { location.hash = `#/rollout/${encodeURIComponent(row.rollout_id)}`; } },
@@ -303,7 +309,7 @@ function rolloutRow(row) {
   el("td", { class: "mono" }, el("a", { href: `#/group/${encodeURIComponent(row.group)}`,
     onclick: (event) => event.stopPropagation() }, row.group)),
   el("td", {}, row.mode), el("td", { class: "num" }, fmt(row.step)), el("td", {}, stateBadge(row)),
-  el("td", { class: "num reward" }, fmt(row.reward)), el("td", { class: "num" }, fmt(row.advantage)),
+  el("td", { class: "num reward" }, fmt(row.reward)), el("td", { class: "num" }, advantageText(row)),
   el("td", { class: "num" }, row.n_attempts), el("td", { class: "num" }, secs(row.queue_s)),
   el("td", { class: "num" }, secs(row.run_s)));
 }
@@ -362,7 +368,7 @@ function siblingCards(siblings, current) {
   el("div", {}, el("a", { class: "mono", href: `#/rollout/${encodeURIComponent(s.rollout_id)}` }, s.rollout_id)),
   el("div", { class: "facts" }, el("div", {}, el("b", {}, "state"), stateBadge(s)),
     el("div", {}, el("b", {}, "reward"), el("span", { class: "reward" }, fmt(s.reward))),
-    el("div", {}, el("b", {}, "advantage"), el("span", { class: "advantage" }, fmt(s.advantage))),
+    el("div", {}, el("b", {}, "advantage"), el("span", { class: "advantage" }, advantageText(s))),
     el("div", {}, el("b", {}, "ran"), secs(s.run_s))),
   s.final_response !== undefined ? el("div", { class: "answer" }, lastAnswer(s) || "(no reply)") : null)));
 }
@@ -388,9 +394,17 @@ function messageView(message, cls) {
   el("div", {}, el("div", { class: "content" }, content), calls));
 }
 
+// "policy v3", or for a call that went on across weight loads (partial rollout) each version
+// and the response token it took over at: "policy v3 → v4 at token 17".
+function versionsText(call) {
+  const spans = call.version_spans || [];
+  if (spans.length < 2) return `policy v${fmt(call.policy_version)}`;
+  return "policy " + spans.map(([start, version], i) => i ? `v${version} at token ${start}` : `v${version}`).join(" → ");
+}
+
 function callView(call, index) {
   const meta = [
-    `call ${index + 1}`, `attempt ${call.attempt_id}`, `policy v${fmt(call.policy_version)}`,
+    `call ${index + 1}`, `attempt ${call.attempt_id}`, versionsText(call),
     `${call.mode || ""} ${call.endpoint || ""}`, `latency ${secs(call.latency_s)}`,
     `${call.n_prompt_tokens} prompt + ${call.n_response_tokens} response tokens`,
     call.finish_reason ? `finish: ${call.finish_reason}` : null, call.status_code !== 200 ? `HTTP ${call.status_code}` : null,
@@ -462,7 +476,7 @@ async function viewRollout(rolloutId) {
       el("div", {}, el("b", {}, "group"), el("a", { class: "mono", href: `#/group/${encodeURIComponent(r.group)}` }, r.group)),
       el("div", {}, el("b", {}, r.mode === "val" ? "after step" : "enqueued by step"), fmt(r.step)),
       el("div", {}, el("b", {}, "reward"), el("span", { id: "reward" }, fmt(r.reward))),
-      el("div", {}, el("b", {}, "advantage"), el("span", { id: "advantage" }, fmt(r.advantage))),
+      el("div", {}, el("b", {}, "advantage"), el("span", { id: "advantage" }, advantageText(r))),
       el("div", {}, el("b", {}, "queued"), secs(r.queue_s)),
       el("div", {}, el("b", {}, "ran"), secs(r.run_s)),
       r.error ? el("div", {}, el("b", {}, "error"), el("span", { class: "error" }, r.error)) : null),

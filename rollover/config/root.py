@@ -1,0 +1,141 @@
+"""`RolloverConfig`: the sections together and the rules that cross them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from rollover.config.actor_rollout_ref import ActorRolloutRefConfig
+from rollover.config.agentlightning import AgentLightningConfig, gateway_address
+from rollover.config.algorithm import AlgorithmConfig
+from rollover.config.base import Section
+from rollover.config.data import DataConfig
+from rollover.config.gateway import GatewayConfig
+from rollover.config.trainer import TrainerConfig
+
+
+class RolloverConfig(Section):
+    data: DataConfig = Field(default_factory=DataConfig, description="tasks and batch sizes")
+    actor_rollout_ref: ActorRolloutRefConfig = Field(
+        default_factory=ActorRolloutRefConfig, description="the policy: model, sampling, update"
+    )
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig, description="store REST API and recording proxy")
+    agentlightning: AgentLightningConfig = Field(
+        default_factory=AgentLightningConfig, description="rollouts and the agents that run them"
+    )
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig, description="advantages, KL in the reward, filters and corrections"
+    )
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the run: steps, logging, checkpoints")
+    resume: bool = Field(default=False, description="continue the run in the run folder from its last checkpoint")
+
+    @model_validator(mode="after")
+    def _rules_across_sections(self) -> RolloverConfig:
+        self._adopt_agent_lightning_names()
+        self.check_async_window()
+        self.check_device_pool()
+        self.check_lora()
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.nnodes * self.trainer.n_gpus_per_node
+
+    @property
+    def engines_per_node(self) -> int:
+        return self.trainer.n_gpus_per_node // self.actor_rollout_ref.rollout.tensor_model_parallel_size
+
+    @property
+    def response_budget(self) -> int:
+        """A sample's token budget after its first prompt (the trajectory level's own budget)."""
+        aggregator = self.agentlightning.trace_aggregator
+        if aggregator.level == "trajectory" and aggregator.trajectory_max_response_length is not None:
+            return aggregator.trajectory_max_response_length
+        return self.data.max_response_length
+
+    @property
+    def needs_reference(self) -> bool:
+        """A KL term needs the frozen reference policy's logprobs."""
+        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def old_logprob_micro_batch_size(self) -> int:
+        """Samples per forward pass when π_old is recomputed, on one rank."""
+        rollout = self.actor_rollout_ref.rollout
+        return self._per_rank(rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_micro_batch_size) or (
+            self.actor_rollout_ref.actor.micro_batch_size
+        )
+
+    @property
+    def ref_logprob_micro_batch_size(self) -> int:
+        """Samples per forward pass of the reference policy, on one rank."""
+        ref = self.actor_rollout_ref.ref
+        return self._per_rank(ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_micro_batch_size) or (
+            self.actor_rollout_ref.actor.micro_batch_size
+        )
+
+    def _per_rank(self, per_gpu: int | None, global_size: int | None) -> int | None:
+        if per_gpu is not None:
+            return per_gpu
+        return None if global_size is None else max(1, global_size // self.world_size)
+
+    def check_device_pool(self) -> None:
+        """Each engine takes `tensor_model_parallel_size` of the node's devices, none left over."""
+        per_node = self.trainer.n_gpus_per_node
+        tp = self.actor_rollout_ref.rollout.tensor_model_parallel_size
+        if per_node % tp:
+            raise ValueError(
+                f"trainer.n_gpus_per_node={per_node} must be a multiple of "
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} (engines per node = the quotient)"
+            )
+
+    def check_lora(self) -> None:
+        """A LoRA engine serves one adapter per policy version; partial rollout's requests kept
+        across a load would go on with the old adapter, so the two do not mix (yet)."""
+        if self.actor_rollout_ref.model.lora and self.agentlightning.async_rollout.partial_rollout:
+            raise ValueError(
+                "actor_rollout_ref.model.lora_rank > 0 and agentlightning.async_rollout.partial_rollout "
+                "cannot both be on: a kept request would go on with the previous adapter"
+            )
+
+    def _adopt_agent_lightning_names(self) -> None:
+        """Agent Lightning's names for Rollover keys win when set (`load_config` refuses a
+        file that sets both names to different values)."""
+        agl = self.agentlightning
+        for rollover_key, value in agent_lightning_mapped_values(agl).items():
+            section, name = rollover_key.split(".")
+            setattr(getattr(self, section), name, value)
+
+    def check_async_window(self) -> None:
+        """The seed's rule: an async rollout window is set and larger than the batch."""
+        async_cfg = self.agentlightning.async_rollout
+        train = self.data.train_batch_size
+        window = async_cfg.async_train_batch_size
+        if async_cfg.enabled and (window is None or window <= train):
+            raise ValueError(
+                "agentlightning.async_rollout.async_train_batch_size must be set and greater than "
+                f"data.train_batch_size when agentlightning.async_rollout.enabled is true "
+                f"(got async_train_batch_size={window}, train_batch_size={train}); "
+                f"a good start is {2 * train}"
+            )
+
+
+# Agent Lightning's name -> Rollover's key it sets (values from `agent_lightning_mapped_values`).
+AGENT_LIGHTNING_NAMES: dict[str, tuple[str, ...]] = {
+    "agentlightning.agl_base_url": ("gateway.host", "gateway.port"),
+    "agentlightning.agl_key": ("gateway.admin_key",),
+    "agentlightning.reward_fillna_value": ("algorithm.reward_fillna_value",),
+}
+
+
+def agent_lightning_mapped_values(agl: AgentLightningConfig) -> dict[str, Any]:
+    """Rollover's `section.key` -> the value Agent Lightning's names in `agl` give it."""
+    values: dict[str, Any] = {}
+    if agl.agl_base_url is not None:
+        values["gateway.host"], values["gateway.port"] = gateway_address(agl.agl_base_url)
+    if agl.agl_key:  # Agent Lightning's default "" means no key: Rollover generates one
+        values["gateway.admin_key"] = agl.agl_key
+    if agl.reward_fillna_value is not None:
+        values["algorithm.reward_fillna_value"] = agl.reward_fillna_value
+    return values

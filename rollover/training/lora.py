@@ -1,0 +1,123 @@
+"""LoRA (verl's `actor_rollout_ref.model.lora_rank` > 0): the policy is a PEFT adapter over
+frozen base weights. Only the adapter is trained, checkpointed and sent to the engines; the
+base never moves, and with the adapter disabled it is the KL reference.
+
+The adapter is written in PEFT's own format (`adapter_config.json` and
+`adapter_model.safetensors`, names without the adapter's name), which vLLM's runtime LoRA
+loading and `PeftModel.from_pretrained` both read.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollover.config import ConfigError
+from rollover.config.actor_rollout_ref import ModelConfig
+from rollover.distributed import sharding
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def wrap(model: torch.nn.Module, config: ModelConfig, base_path: str | Path, *, seed: int) -> Any:  # -> PeftModel
+    """`model` with a trainable LoRA adapter (the one at `lora_adapter_path`, else a fresh one
+    drawn from `seed`, whose B matrices are zero: at first the policy is the base model), base
+    weights frozen."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if config.lora_adapter_path is not None:
+        wrapped = PeftModel.from_pretrained(model, config.lora_adapter_path, is_trainable=True)
+        rank = getattr(wrapped.peft_config["default"], "r", None)
+        if rank != config.lora_rank:
+            raise ConfigError(
+                f"config key 'actor_rollout_ref.model.lora_rank': {config.lora_rank} is not the rank of the adapter "
+                f"at actor_rollout_ref.model.lora_adapter_path ({rank}); set it to {rank}"
+            )
+    else:
+        lora = LoraConfig(
+            r=config.lora_rank,
+            lora_alpha=config.lora_alpha,
+            target_modules=config.target_modules,
+            exclude_modules=config.exclude_modules,
+            lora_dropout=0.0,  # the trainer's logprobs must be the engine's
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        # Every rank draws the same A (FSDP2 shards what each rank holds), and a run draws the
+        # same on any number of ranks; the caller's random state is left as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            wrapped = get_peft_model(model, lora)
+    # The adapter's config names its base: `rollover model merge` finds it there.
+    wrapped.peft_config["default"].base_model_name_or_path = str(Path(base_path).absolute())
+    return wrapped
+
+
+def adapter_state_dict(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
+    """The adapter's weights whole, on the host, under PEFT's saved names (a collective on
+    several ranks: every rank takes part in the gathers; those without `keep` get `{}`)."""
+    from peft import get_peft_model_state_dict
+
+    gathered: dict[str, torch.Tensor] = {}
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:  # the frozen base
+            continue
+        whole = sharding.full_tensor(parameter.detach())
+        if keep:
+            gathered[name] = whole.to("cpu", copy=True)
+    if not keep:
+        return {}
+    return dict(get_peft_model_state_dict(model, state_dict=gathered))
+
+
+def write_adapter(state: Mapping[str, torch.Tensor], model: Any, directory: str | Path) -> Path:
+    """`state` (from `adapter_state_dict`) and the model's adapter config as a PEFT adapter
+    folder, atomically (a fresh sibling folder renamed into place: a reader never sees half of
+    one; an existing folder is replaced). Returns the folder, absolute."""
+    from safetensors.torch import save_file
+
+    out = Path(directory).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tensors = {name: t.contiguous() for name, t in state.items()}
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        model.peft_config["default"].save_pretrained(str(tmp))
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def is_adapter(directory: str | Path) -> bool:
+    return (Path(directory) / ADAPTER_CONFIG).is_file()
+
+
+def merge(adapter_dir: str | Path, out_dir: str | Path) -> Path:
+    """The base model (the one the adapter's config names) with the adapter merged into its
+    weights, saved as a plain Hugging Face model folder (tokenizer too) that loads without PEFT."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter_dir = Path(adapter_dir)
+    base = PeftConfig.from_pretrained(str(adapter_dir)).base_model_name_or_path
+    if not base or not (Path(base) / "config.json").is_file():
+        raise FileNotFoundError(f"the adapter at {adapter_dir} names base model {base!r}, which is not a model folder")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    out = Path(out_dir)
+    merged.save_pretrained(out, safe_serialization=True)
+    tokenizer_from = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else Path(base)
+    AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out)
+    return out
