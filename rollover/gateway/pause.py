@@ -10,6 +10,11 @@ from typing import Any
 
 from rollover.store.models import ProxyState
 
+# The longest wait a refused call is told: OpenAI's Python client does not retry at all when
+# Retry-After exceeds two minutes (openai 3.63's MAX_RETRY_AFTER_DELAY), so a longer pause is
+# ridden out in several waits of at most this, each answered with what is left.
+MAX_ANNOUNCED_WAIT_SECONDS = 60.0
+
 
 class ProxyPauseState:
     """`paused`, `inflight` and `reason`, guarded by one asyncio.Lock as in the seed."""
@@ -53,11 +58,12 @@ class ProxyPauseState:
     def retry_after(self) -> tuple[float, int | None]:
         """When a refused call should come back: Retry-After in seconds, and `retry-after-ms`
         (None when no length was announced: the seed's headers only). Never before the pause is
-        expected to end (clients that come back early burn their retries), never sooner than
-        the configured `retry_after_seconds`."""
+        expected to end (clients that come back early burn their retries) nor later than
+        `MAX_ANNOUNCED_WAIT_SECONDS` from now, never sooner than the configured
+        `retry_after_seconds`."""
         if self._expected_end is None:
             return self.retry_after_seconds, None
-        left = self._expected_end - time.monotonic()
+        left = min(self._expected_end - time.monotonic(), MAX_ANNOUNCED_WAIT_SECONDS)
         seconds = max(self.retry_after_seconds, left)
         return float(math.ceil(seconds)) if left > self.retry_after_seconds else seconds, math.ceil(seconds * 1000)
 

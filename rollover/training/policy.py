@@ -266,8 +266,12 @@ class Policy:
             total_tokens += tokens
             self.progress.update(done, len(plan.steps))
         averaged = {key: value / max(total_tokens, 1) for key, value in sums.items()}
-        # A count of optimizer steps left out for want of a gradient, not a token mean.
-        return averaged | {"actor/n_skipped_steps": float(skipped)} | metrics
+        # Settings are reported as set, not through the token mean (float sums move a
+        # constant in its last bits); skipped steps are a count.
+        settings = {"actor/lr": plan.lr, "actor/n_skipped_steps": float(skipped)}
+        if self.config.actor_rollout_ref.actor.use_kl_loss:
+            settings["actor/kl_coef"] = self.config.actor_rollout_ref.actor.kl_loss_coef
+        return averaged | settings | metrics
 
     def _batching(self, *, old_logprobs: bool = False) -> Batching:
         actor = self.config.actor_rollout_ref.actor
@@ -435,9 +439,6 @@ class Policy:
         n_tokens = int(counts.n_tokens)
         result = {key: value / max(counts.n_tokens, 1.0) for key, value in sums.items()} | shares
         result["actor/grad_norm"] = grad_norm
-        result["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        if actor.use_kl_loss:
-            result["actor/kl_coef"] = actor.kl_loss_coef
         return result, n_tokens, stepped
 
     def _micro_batch(self, part: Sequence[Prepared], counts: BatchCounts) -> MicroBatchResult:

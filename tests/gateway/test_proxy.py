@@ -195,6 +195,10 @@ def test_a_pause_of_announced_length_hints_the_time_left(gateway, admin, registe
     # The time left, counted down from 6 s (however slow the machine), rounded up in both headers.
     assert 6_000 - elapsed_ms - 1 <= left_ms <= 6_000 - 200
     assert int(retry_after) == math.ceil(left_ms / 1000) and int(retry_after) >= 2
+    # A pause announced past OpenAI's client limit (it does not retry at all when Retry-After
+    # exceeds 120 s) is told in waits of at most 60 s: the client comes back and is told again.
+    admin.post("/proxy/pause", json={"expected_seconds": 300})
+    assert refused_hint() == ("60", 60_000)
     admin.post("/proxy/resume")
     assert admin.post("/proxy/pause", json={"expected_seconds": -1}).status_code == 422
     admin.post("/proxy/resume")
