@@ -274,7 +274,9 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
     async def proxy_models(
         request: Request, rollout_id: str, attempt_id: str, mode: Literal["train", "val"]
     ) -> dict[str, Any]:
-        names = sorted({e.model for e in state.registry.endpoints})
+        # What an agent should ask for: the policies where the engines serve several, else
+        # the model (which one an agent names does not matter then).
+        names = sorted({name for e in state.registry.endpoints for name in (e.policies or [e.model])})
         return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "rollover"} for n in names]}
 
     async def proxy(request: Request) -> Response:
@@ -308,7 +310,7 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         try:
             status_code, raw, _ = await forward_unless_disconnected(request, state.forwarder, call)
         except UpstreamError as exc:
-            return error_response(exc.status_code, "upstream error", exc.reason)
+            return error_response(exc.status_code, exc.error, exc.reason)
         finally:
             await state.pause.leave()
         return json_response(raw, status_code)

@@ -53,10 +53,27 @@ class _Unreachable(_RetryableUpstream):
 
 
 class UpstreamError(Exception):
-    def __init__(self, status_code: int, reason: str) -> None:
+    """A call that ends in an HTTP error for the agent: `{"error": error, "reason": reason}`."""
+
+    def __init__(self, status_code: int, reason: str, error: str = "upstream error") -> None:
         super().__init__(reason)
         self.status_code = status_code
         self.reason = reason
+        self.error = error
+
+
+def served_model(target: ModelEndpoint, requested: Any) -> tuple[str, str | None]:
+    """The model name to ask `target` for and the policy the agent picked by the `model` it
+    asked for; with no `policies` the endpoint's one model whatever was asked (policy None), as
+    before policies existed. A call asking for no policy of the endpoint's is refused (404) rather
+    than sent to one of them: its record would train a policy the agent did not mean."""
+    if not target.policies:
+        return target.model, None
+    if isinstance(requested, str) and requested in target.policies:
+        return target.policies[requested], requested
+    asked = "the call names no model" if requested is None else f"model {requested!r:.200} is not a policy of this run"
+    names = ", ".join(repr(name) for name in sorted(target.policies))
+    raise UpstreamError(404, f"{asked}: ask for one of {names}", error="not found")
 
 
 def prepare_request(
@@ -192,7 +209,8 @@ class Forwarder:
         return response
 
     async def _post_live(self, call: ProxyCall) -> _Sent:
-        """One try on the endpoint the rollout's hashing picks among the live ones. One that
+        """One try on the endpoint the rollout's hashing picks among the live ones, asked for the
+        policy the call names when it serves several (`served_model`). One that
         cannot be connected to (its engine is down) is taken out of rotation, persisted, and
         the call sent at once to the next pick: the other rollouts stay where they are. The
         last live one is not taken out: with nowhere to move the call, it is retried there
@@ -208,13 +226,15 @@ class Forwarder:
                 raise UpstreamError(
                     503, f"no live inference endpoint ({len(self.registry.endpoints)} registered, all out of rotation)"
                 )
-            payload = payloads.get(target.model)
+            model, policy = served_model(target, call.body.get("model"))
+            payload = payloads.get(model)  # by the served name: each policy's request names its own
             if payload is None:
-                payload = payloads[target.model] = codec.dumps(
-                    prepare_request(call.body, call.endpoint, call.mode, target.model, self.settings)
+                payload = payloads[model] = codec.dumps(
+                    prepare_request(call.body, call.endpoint, call.mode, model, self.settings)
                 )
             try:
-                return _Sent(target, await self._post(f"{target.endpoint.rstrip('/')}/{call.endpoint}", payload))
+                response = await self._post(f"{target.endpoint.rstrip('/')}/{call.endpoint}", payload)
+                return _Sent(target, response, model, policy)
             except _Unreachable as exc:
                 last = exc
                 if self.registry.take_out(target):
@@ -278,7 +298,7 @@ class Forwarder:
             raw = await _read_whole(sent.response)
             status_code = sent.response.status
         raw, data = _parsed(raw)
-        await self.record(_Call(call, sent.target, started), status_code, data)
+        await self.record(_Call(call, sent, started), status_code, data)
         return status_code, raw, data
 
     async def _forward_streamed(self, call: ProxyCall) -> tuple[int, bytes, dict[str, Any]]:
@@ -302,7 +322,7 @@ class Forwarder:
             # The version now, not the one at the pick: a call that reached an engine frozen for
             # a load, or one whose answer began after its weights changed, is the new weights'.
             version = self.registry.version_of(sent.target.endpoint, sent.target.policy_version)
-        streamed = StreamedCall(self, _Call(call, sent.target, started), stack, sent.response, version)
+        streamed = StreamedCall(self, _Call(call, sent, started), stack, sent.response, version)
         if version is not None:
             self.boundaries.track(sent.target.endpoint, streamed)
             stack.callback(self.boundaries.untrack, sent.target.endpoint, streamed)
@@ -328,14 +348,16 @@ class Forwarder:
         record = {
             "mode": proxied.mode,
             "endpoint": proxied.endpoint,
-            "model": call.target.model,
-            "upstream": call.target.endpoint,
+            "model": call.sent.model,
+            "upstream": call.sent.target.endpoint,
             "request": proxied.body,
             "response": data,
-            "policy_version": call.target.policy_version if version is None else version,
+            "policy_version": call.sent.target.policy_version if version is None else version,
             "latency_s": time.monotonic() - call.started,
             "status_code": status_code,
         }
+        if call.sent.policy is not None:  # several policies: which one this call trains
+            record["policy"] = call.sent.policy
         if status_code == 200 and "error" not in data:
             record.update(extract_tokens(proxied.endpoint, data, spans))
             if spans:  # the version of the call's oldest token
@@ -348,10 +370,13 @@ class Forwarder:
 
 @dataclass
 class _Sent:
-    """An engine's response, body unread, and the endpoint that sent it."""
+    """An engine's response, body unread, the endpoint that sent it, the model name it was
+    asked for and the policy that name serves (None: the endpoint has one)."""
 
     target: ModelEndpoint
     response: UpstreamResponse
+    model: str
+    policy: str | None
 
 
 @dataclass
@@ -359,7 +384,7 @@ class _Call:
     """What the record of one proxied call needs besides the answer."""
 
     proxied: ProxyCall
-    target: ModelEndpoint
+    sent: _Sent
     started: float
 
 

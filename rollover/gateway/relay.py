@@ -45,7 +45,7 @@ async def relay_stream(forwarder: Forwarder, call: ProxyCall, leave: Leave) -> R
         streamed = await forwarder.stream(call)
     except UpstreamError as exc:
         await leave()
-        return error_response(exc.status_code, "upstream error", exc.reason)
+        return error_response(exc.status_code, exc.error, exc.reason)
     except BaseException:
         await leave()
         raise
@@ -54,7 +54,7 @@ async def relay_stream(forwarder: Forwarder, call: ProxyCall, leave: Leave) -> R
     try:
         raw, _ = await streamed.read()
     except UpstreamError as exc:
-        return error_response(exc.status_code, "upstream error", exc.reason)
+        return error_response(exc.status_code, exc.error, exc.reason)
     finally:
         try:
             await streamed.close()

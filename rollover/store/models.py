@@ -230,6 +230,8 @@ class Triplet(_Wire):
     # response, oldest first (a call that spanned k weight loads has k+1); null: all of it
     # `policy_version`'s.
     response_version_spans: list[tuple[int, int]] | None = None
+    # The policy the call asked for (`ModelEndpoint.policies`); None: the run has one policy.
+    policy: str | None = None
 
 
 class TripletBundle(_Wire):
@@ -268,6 +270,20 @@ class ModelEndpoint(_Wire):
     # Partial rollout: the engine has frozen its requests for a weight load; its calls' upstream
     # deadlines stand still until it registers again, unfrozen (with its new version).
     frozen: bool = False
+    # Several policies (LoRA adapters) on one engine: policy name -> the model name the engine
+    # serves it under now (e.g. "planner" -> "planner-v3"). An agent picks one by the `model`
+    # of its call, and a call asking for no policy of these is refused (404). Empty: one policy,
+    # every call goes to `model` whatever the agent asked for.
+    policies: dict[str, str] = Field(default_factory=dict)
+
+    @model_serializer(mode="wrap")
+    def _one_policy_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """No `policies` key when there are none: a run of one policy answers and persists its
+        registry exactly as before policies existed (read back, the default is the same)."""
+        dumped: dict[str, Any] = handler(self)
+        if not self.policies:
+            dumped.pop("policies", None)
+        return dumped
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -323,6 +339,7 @@ TRAINING_FIELDS = (
     "response_logprobs",
     "response_version_spans",  # partial rollout: the versions that sampled the response
     "choices",  # n > 1: every choice's token ids and logprobs
+    "policy",  # several policies: the one the call asked for
     "policy_version",
     "latency_s",
     "status_code",
@@ -332,15 +349,17 @@ TRAINING_FIELDS = (
 def last_call_per_prompt(events: list[Event]) -> list[Event]:
     """`events` with only the last `model_request` for each prompt (its `prompt_token_ids`), as
     Agent Lightning's `format=triplet` answers: a call retried with the same prompt is trained
-    once, on its last answer. A request without valid prompt ids is always kept."""
-    last: dict[tuple[int, ...], int] = {}
+    once, on its last answer. The same prompt put to two policies is two calls, not a retry.
+    A request without valid prompt ids is always kept."""
+    last: dict[tuple[Any, tuple[int, ...]], int] = {}
     kept: set[int] = set()
     for index, event in enumerate(events):
         if event.event_type != "model_request":
             continue
-        ids = event.data.get("prompt_token_ids") if isinstance(event.data, dict) else None
+        data = event.data if isinstance(event.data, dict) else {}
+        ids = data.get("prompt_token_ids")
         if isinstance(ids, list) and ids and all(type(token) is int for token in ids):
-            last[tuple(ids)] = index
+            last[(data.get("policy"), tuple(ids))] = index
         else:
             kept.add(index)
     kept.update(last.values())

@@ -534,7 +534,8 @@ class RolloutStore:
         ]
 
     async def triplets(self, rollout_id: str, attempt_id: str | None = None) -> TripletBundle:
-        """Per model call: token ids, logprobs and policy version, plus the attempt's reward."""
+        """Per model call: token ids, logprobs, policy version (and policy, when the run has
+        several), plus the attempt's reward."""
 
         def query(conn: sqlite3.Connection) -> tuple[str | None, list[Event]]:
             row = conn.execute("SELECT last_attempt_id FROM rollouts WHERE rollout_id=?", (rollout_id,)).fetchone()
@@ -554,6 +555,7 @@ class RolloutStore:
                 reward = reward_value(data, reward)
             elif event.event_type == "model_request" and data.get("response_token_ids") is not None:
                 recorded = data.get("choices")  # n > 1: one triplet per choice
+                policy = data.get("policy")
                 choices: list[dict[str, Any]] = recorded if isinstance(recorded, list) else [data]
                 triplets.extend(
                     Triplet(
@@ -564,6 +566,7 @@ class RolloutStore:
                         policy_version=data.get("policy_version"),
                         choice_index=position,
                         response_version_spans=choice.get("response_version_spans"),
+                        policy=policy if isinstance(policy, str) else None,
                     )
                     for position, choice in enumerate(choices)
                     if isinstance(choice, dict) and choice.get("response_token_ids") is not None

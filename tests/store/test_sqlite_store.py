@@ -138,6 +138,31 @@ def test_events_need_a_known_attempt_and_triplets_take_the_last_reward(store):
     run(scenario())
 
 
+def test_triplets_carry_the_policy_each_call_asked_for(store):
+    async def scenario():
+        [r] = await store.add_rollouts([RolloutCreate()])
+        await store.update_status(r.rollout_id, StatusFields(state=RolloutState.RUNNING, last_attempt_id="a1"))
+        call = {"prompt_token_ids": [1, 2], "response_token_ids": [3], "response_logprobs": [-0.5], "policy_version": 4}
+        two_choices = [{"index": i, "response_token_ids": [5 + i], "response_logprobs": [-0.1]} for i in range(2)]
+        for data in (
+            call | {"policy": "planner"},
+            call | {"policy": "solver", "choices": two_choices},  # n > 1: every choice is the call's policy's
+            call,  # a run of one policy records none
+            call | {"policy": 7},  # not the proxy's: read as none rather than failing the rollout's read
+        ):
+            await store.add_event(r.rollout_id, "a1", EventCreate(event_type="model_request", data=data))
+        bundle = await store.triplets(r.rollout_id)
+        assert [(t.policy, t.choice_index) for t in bundle.triplets] == [
+            ("planner", 0),
+            ("solver", 0),
+            ("solver", 1),
+            (None, 0),
+            (None, 0),
+        ]
+
+    run(scenario())
+
+
 def test_list_filters(store):
     async def scenario():
         rs = await store.add_rollouts([RolloutCreate() for _ in range(5)])
