@@ -10,6 +10,8 @@ appended: the tokens between the previous response and the new response are tool
 and get ``loss_mask = 0``; the new response gets ``loss_mask = 1``. Any other call starts a new
 sample. A call with several choices (``n`` > 1, triplets with ``choice_index`` 1, 2, ...) makes
 each further choice a sample of its own; the next call extends whichever choice it continues.
+With several policies (triplets' ``policy``) a call extends only a sample of its own policy (its
+policy's previous call's), so each sample trains one policy on its own responses alone.
 Every sample of a rollout carries the rollout's reward (and later its advantage).
 
 Alignment convention of ``collate`` (important for the trainer):
@@ -47,6 +49,7 @@ class Sample:
     reward: float
     advantage: float = 0.0
     truncated: bool = False  # cut to its token budget (see build_samples)
+    policy: str | None = None  # the policy its responses came from (None: the run has one)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -64,6 +67,7 @@ class Sample:
 
 @dataclass
 class _Builder:
+    policy: str | None = None
     input_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     behaviour_logprobs: list[float] = field(default_factory=list)
@@ -112,14 +116,15 @@ def build_samples(
         raise ValueError(f"max_length must be at least 2, got {max_length}")
 
     builders: list[_Builder] = []
-    # The samples the previous call's choices went to (one, unless it asked for n > 1): the
-    # agent carries on from one of them.
-    previous: list[_Builder] = []
+    # Per policy, the samples its previous call's choices went to (one, unless it asked for
+    # n > 1): the agent carries on from one of them.
+    previous: dict[str | None, list[_Builder]] = {}
     this_call: list[_Builder] = []
     for position, triplet in enumerate(triplets):
         prompt = [int(t) for t in triplet["prompt_token_ids"]]
         response = [int(t) for t in triplet["response_token_ids"]]
         versions = token_versions(triplet.get("response_version_spans"), int(triplet["policy_version"]), len(response))
+        policy: str | None = triplet.get("policy")
         recorded = triplet.get("response_logprobs")
         if recorded is None:
             logprobs = [math.nan] * len(response)
@@ -133,14 +138,15 @@ def build_samples(
 
         current: _Builder | None = None
         if not triplet.get("choice_index"):  # a new call (its first choice)
-            previous, this_call = this_call, []
-            current = next((b for b in previous if b.extends_into(prompt)), None) if merge else None
+            earlier, this_call = previous.get(policy, []), []
+            previous[policy] = this_call
+            current = next((b for b in earlier if b.extends_into(prompt)), None) if merge else None
         # Another choice of the same call is a sample of its own, its prompt all context: the
         # earlier turns are trained once, in the first choice's sample.
         if current is not None:
             current.add_context(prompt[len(current.input_ids) :])
         else:
-            current = _Builder()
+            current = _Builder(policy)
             builders.append(current)
             current.add_context(prompt)
         current.add_response(response, logprobs, versions)
@@ -159,6 +165,7 @@ def build_samples(
             token_versions=builder.token_versions[keep],
             reward=float(reward),
             truncated=max_length is not None and n > max_length,
+            policy=builder.policy,
         )
         if sample.num_loss_tokens > 0:
             samples.append(sample)

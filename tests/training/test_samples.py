@@ -167,6 +167,33 @@ def test_each_choice_of_a_call_is_its_own_sample_and_the_next_call_extends_the_o
     assert samples[1].behaviour_logprobs[6:] == [-0.4, -0.5, 0.0, -0.6]
 
 
+def test_a_call_extends_only_a_sample_of_its_own_policy() -> None:
+    # A planner and a solver take turns in one conversation, each prompt extending everything
+    # before it: each policy's calls merge among themselves, the other's turns as context.
+    planner = [
+        _call([1, 2, 3], [10, 11], [-0.1, -0.2], 3) | {"policy": "planner"},
+        _call([1, 2, 3, 10, 11, 20, 12, 21], [13], [-0.3], 3) | {"policy": "planner"},
+    ]
+    solver = [
+        _call([1, 2, 3, 10, 11, 20], [12], [-0.4], 3) | {"policy": "solver"},
+        _call([1, 2, 3, 10, 11, 20, 12, 21, 13, 22], [14], [-0.5], 3) | {"policy": "solver"},
+    ]
+    calls = [planner[0], solver[0], planner[1], solver[1]]
+    samples = build_samples("r1", "g1", calls, reward=1.0, max_length=None)
+    assert [(s.policy, s.input_ids) for s in samples] == [
+        ("planner", [1, 2, 3, 10, 11, 20, 12, 21, 13]),
+        ("solver", [1, 2, 3, 10, 11, 20, 12, 21, 13, 22, 14]),
+    ]
+    # Each trains on its own responses only: the other policy's are context.
+    assert samples[0].loss_mask == [0, 0, 0, 1, 1, 0, 0, 0, 1]
+    assert samples[1].loss_mask == [0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1]
+    assert samples[1].behaviour_logprobs == [0.0] * 6 + [-0.4, 0.0, 0.0, 0.0, -0.5]
+    # Without merging, every call is its own sample of its own policy; a run of one policy has none.
+    unmerged = build_samples("r1", "g1", calls, reward=1.0, max_length=None, merge=False)
+    assert [s.policy for s in unmerged] == ["planner", "solver", "planner", "solver"]
+    assert {s.policy for s in build_samples("r1", "g1", MULTI_TURN, reward=1.0, max_length=None)} == {None}
+
+
 def test_an_over_long_sample_is_cut_from_the_side_data_truncation_names() -> None:
     call = [_call([1, 2, 3, 4], [10, 11, 12], [-0.1, -0.2, -0.3], 0)]
     right = build_samples("r", "g", call, 1.0, max_length=5)[0]
