@@ -274,6 +274,7 @@ class RunFolder:
                     "advantage": row["advantage"],
                     "n_tokens": len(sample),
                     "n_loss_tokens": sample.num_loss_tokens,
+                    "policy": sample.policy,
                     "tokens": tokens,
                     # The trainer's π_old is not recorded (yet); the page says so.
                     "trainer_logprobs": None,
@@ -395,6 +396,8 @@ def _call(event: Event) -> dict[str, Any]:
         "created_at": event.created_at,
         "mode": data.get("mode"),
         "endpoint": data.get("endpoint"),
+        "model": data.get("model"),  # the name the engine served it under
+        "policy": data.get("policy"),  # several policies: the one the agent asked for
         "policy_version": data.get("policy_version"),
         "version_spans": data.get("response_version_spans"),  # partial rollout: [[first token, version], ...]
         "latency_s": data.get("latency_s"),

@@ -14,7 +14,7 @@ import pytest
 from rollover.store import EventCreate, RolloutCreate, RolloutState, RolloutStore, StatusFields, StoreError
 from rollover.training.samples import build_samples
 from rollover.viewer.data import RolloutFilter, RunFolder, RunFolderError
-from tests.viewer.runfolder import ids, write_run
+from tests.viewer.runfolder import call_event, ids, write_run
 
 
 def run(coro):
@@ -94,6 +94,48 @@ def test_a_retried_rollout_shows_both_attempts_and_trains_on_the_last(folder):
     assert detail["attempts"][0]["error_message"] == "agent exited with code 1"
     assert detail["trained_attempt"] == "a2"
     assert [t["version"] for t in detail["samples"][0]["tokens"] if t["mask"]] == [1, 1, 1]
+
+
+def test_each_call_and_sample_shows_its_policy(tmp_path):
+    """A planner and a solver in one conversation: each call names its policy and the name the
+    engine served it under; the solver's call extends the planner's prompt but is a sample of
+    its own, the planner's reply context in it."""
+    run_dir = write_run(tmp_path / "run")
+    planned = call_event("user what is 2 + 3 ? assistant", "CALL calc(2+3)", 3)
+    solved = call_event(
+        "user what is 2 + 3 ? assistant CALL calc(2+3) user = 5 assistant", "ANSWER: 5 <eos>", 3, tool=True
+    )
+
+    async def add(store: RolloutStore) -> None:
+        await store.add_rollouts([RolloutCreate(rollout_id="r-two", metadata={"data_id": "g2", "enqueued_step": 0})])
+        await store.update_status("r-two", StatusFields(state=RolloutState.RUNNING, last_attempt_id="a1"))
+        for event, policy in ((planned, "planner"), (solved, "solver")):
+            data = event.data | {"model": f"{policy}-v3", "policy": policy}
+            await store.add_event("r-two", "a1", EventCreate(event_type="model_request", data=data))
+        await store.add_event("r-two", "a1", EventCreate(event_type="reward", data={"value": 1.0}))
+        await store.update_status("r-two", StatusFields(state=RolloutState.SUCCEEDED))
+
+    store = RolloutStore(run_dir / "store.db")
+    try:
+        run(add(store))
+    finally:
+        store.close()
+    folder = RunFolder(run_dir)
+    try:
+        detail = run(folder.rollout("r-two"))
+        one_policy = run(folder.rollout("r-g0-0"))
+    finally:
+        folder.close()
+    assert [(c["policy"], c["model"], c["policy_version"]) for c in detail["calls"]] == [
+        ("planner", "planner-v3", 3),
+        ("solver", "solver-v3", 3),
+    ]
+    assert [s["policy"] for s in detail["samples"]] == ["planner", "solver"]
+    trained = [[t["text"] for t in s["tokens"] if t["mask"]] for s in detail["samples"]]
+    assert trained == [["CALL", "calc(2+3)"], ["ANSWER:", "5", "<eos>"]]
+    # A run of one policy shows none.
+    assert {c["policy"] for c in one_policy["calls"]} == {None}
+    assert [s["policy"] for s in one_policy["samples"]] == [None]
 
 
 def test_without_a_tokenizer_tokens_are_ids(tmp_path):

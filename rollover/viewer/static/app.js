@@ -394,12 +394,14 @@ function messageView(message, cls) {
   el("div", {}, el("div", { class: "content" }, content), calls));
 }
 
-// "policy v3", or for a call that went on across weight loads (partial rollout) each version
-// and the response token it took over at: "policy v3 → v4 at token 17".
+// "policy v3" ("planner v3" for a run of several policies: the one the call asked for), or for
+// a call that went on across weight loads (partial rollout) each version and the response
+// token it took over at: "policy v3 → v4 at token 17".
 function versionsText(call) {
+  const name = call.policy || "policy";
   const spans = call.version_spans || [];
-  if (spans.length < 2) return `policy v${fmt(call.policy_version)}`;
-  return "policy " + spans.map(([start, version], i) => i ? `v${version} at token ${start}` : `v${version}`).join(" → ");
+  if (spans.length < 2) return `${name} v${fmt(call.policy_version)}`;
+  return `${name} ` + spans.map(([start, version], i) => i ? `v${version} at token ${start}` : `v${version}`).join(" → ");
 }
 
 function callView(call, index) {
@@ -445,6 +447,7 @@ function tokenView(sample, index) {
   return el("div", { class: "card", style: "margin-bottom:10px" },
     el("div", { class: "facts" },
       el("div", {}, el("b", {}, "sample"), index + 1),
+      sample.policy ? el("div", {}, el("b", {}, "policy"), sample.policy) : null,
       el("div", {}, el("b", {}, "tokens"), `${sample.n_tokens} (${sample.n_loss_tokens} trained)`),
       el("div", {}, el("b", {}, "reward"), fmt(sample.reward)),
       el("div", {}, el("b", {}, "advantage"), fmt(sample.advantage)),
