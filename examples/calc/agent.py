@@ -26,6 +26,10 @@ def tool_latency(rng: random.Random) -> float:
 
 
 class CalcAgent:
+    def model(self, turn: int) -> str:
+        """The model asked for at `turn`: any name, the gateway serves the policy."""
+        return "policy"
+
     def run(self, task: dict) -> None:
         ctx = AgentContext.from_env()
         client = ctx.openai()
@@ -36,7 +40,7 @@ class CalcAgent:
             # Held-out evaluations reuse one random stream per task and turn, so two evaluations
             # of different policies differ only where the policies do (common random numbers).
             seed = zlib.crc32(f"{task['id']}:{turn}".encode()) if ctx.mode == "val" else None
-            reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=24, seed=seed)
+            reply = client.chat.completions.create(model=self.model(turn), messages=messages, max_tokens=24, seed=seed)
             text = reply.choices[0].message.content or ""
             messages.append({"role": "assistant", "content": text})
             if ANSWER.search(text):
@@ -52,3 +56,12 @@ class CalcAgent:
                 result = "error"
             messages.append({"role": "tool", "content": result})
         ctx.report_reward(score(task, final))
+
+
+class TwoRoleCalcAgent(CalcAgent):
+    """The calc agent as two policies (`agentlightning.policies: {planner, solver}`): the
+    planner takes the first turn (usually the calculator call), the solver every later one
+    (usually the answer from the tool's result)."""
+
+    def model(self, turn: int) -> str:
+        return "planner" if turn == 0 else "solver"

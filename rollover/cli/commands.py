@@ -153,6 +153,17 @@ def model_merge(args: argparse.Namespace) -> int:
 
     given = Path(args.checkpoint)
     adapter = next((d for d in (given, given / "model") if lora.is_adapter(d)), None)
+    policies = {name: d for folder in (given, given / "model") for name, d in lora.policy_adapters(folder).items()}
+    if adapter is None and policies:  # a run of several policies: one is merged at a time
+        if args.policy is None:
+            raise UsageError(
+                f"{given} holds the adapters of several policies: pass --policy, one of {sorted(policies)}"
+            )
+        if args.policy not in policies:
+            raise UsageError(f"{given} has no policy {args.policy!r}: its policies are {sorted(policies)}")
+        adapter = policies[args.policy]
+    elif args.policy is not None:
+        raise UsageError(f"{given} holds the adapter of a run with one policy: leave --policy out")
     if adapter is None:
         raise UsageError(f"{given} holds no LoRA adapter (no {lora.ADAPTER_CONFIG} in it or in {given / 'model'})")
     try:

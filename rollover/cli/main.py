@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     merge.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N (or a PEFT adapter folder)")
     merge.add_argument("--out", required=True, help="folder for the merged model")
+    merge.add_argument(
+        "--policy", default=None, help="a run of several policies (agentlightning.policies): the one to merge"
+    )
     merge.set_defaults(run=commands.model_merge)
 
     simulate = sub.add_parser("simulate", help="capacity planner: pick async_train_batch_size")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -126,6 +127,18 @@ class TraceAggregatorConfig(Section):
     )
 
 
+POLICY_NAME = r"^[A-Za-z][A-Za-z0-9_]{0,62}$"
+
+
+class PolicyConfig(Section):
+    """One of several policies trained in one run: a LoRA adapter of its own over the shared
+    base, served by the same engines; an agent picks it by the `model` it asks for."""
+
+    lr: float | None = Field(
+        default=None, gt=0, description="its learning rate; null = actor_rollout_ref.actor.optim.lr"
+    )
+
+
 class AgentLightningConfig(Section):
     rollout_timeout_seconds: float = Field(
         default=1800, gt=0, description="a rollout running longer fails (paused time does not count)"
@@ -159,6 +172,22 @@ class AgentLightningConfig(Section):
         gt=0,
         description="Agent Lightning's cap on optimizer steps per update epoch: samples beyond max x mini-batch are dropped (groups whose rewards are all alike first)",
     )
+
+    policies: dict[str, PolicyConfig] = Field(
+        default={},
+        description="several policies in one run (needs actor_rollout_ref.model.lora_rank > 0): name -> {lr}; an agent asks for one by its name as the model; {} = one policy",
+    )
+
+    @field_validator("policies")
+    @classmethod
+    def _policy_names(cls, value: dict[str, PolicyConfig]) -> dict[str, PolicyConfig]:
+        for name in value:
+            if not re.match(POLICY_NAME, name):
+                raise ValueError(
+                    f"policy name {name!r} must start with a letter and hold only letters, digits and '_'"
+                    " (it is the model name agents ask for; the engine serves it as '<name>-v<version>')"
+                )
+        return value
 
     @field_validator("agl_base_url")
     @classmethod

@@ -88,9 +88,16 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
+        try:
+            layers.append(OmegaConf.from_dotlist([item]))
+        except yaml.YAMLError as exc:
+            key, _, value = item.partition("=")
+            problem = str(exc).splitlines()[0]
+            raise ConfigError(
+                f"config key {key!r}: the override value {value!r} is not YAML ({problem}); quote it,"
+                " or write a mapping with spaces after the colons: key={a: 1}"
+            ) from None
     try:
-        if overrides:
-            layers.append(OmegaConf.from_dotlist(list(overrides)))
         raw = OmegaConf.to_container(OmegaConf.merge(*layers), resolve=True)
         user = OmegaConf.to_container(OmegaConf.merge({}, *layers[1:]), resolve=False)
     except OmegaConfBaseException as exc:

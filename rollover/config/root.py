@@ -93,6 +93,22 @@ class RolloverConfig(Section):
     def check_lora(self) -> None:
         """A LoRA engine serves one adapter per policy version; partial rollout's requests kept
         across a load would go on with the old adapter, so the two do not mix (yet)."""
+        model, policies = self.actor_rollout_ref.model, self.agentlightning.policies
+        if policies and not model.lora:
+            raise ValueError(
+                "agentlightning.policies needs actor_rollout_ref.model.lora_rank > 0: each policy is a LoRA adapter"
+            )
+        if policies and model.lora_adapter_path is not None:
+            raise ValueError(
+                "actor_rollout_ref.model.lora_adapter_path starts one adapter; with agentlightning.policies each"
+                " policy starts from a fresh one (leave lora_adapter_path null)"
+            )
+        max_loras = self.actor_rollout_ref.rollout.max_loras
+        if len(policies) > max_loras:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.max_loras={max_loras} is fewer than the {len(policies)} policies of"
+                f" agentlightning.policies: the engine must run every policy's adapter at once; set it to {len(policies)}"
+            )
         if self.actor_rollout_ref.model.lora and self.agentlightning.async_rollout.partial_rollout:
             raise ValueError(
                 "actor_rollout_ref.model.lora_rank > 0 and agentlightning.async_rollout.partial_rollout "

@@ -165,6 +165,8 @@ class VLLMEngine:
         # gateway rewrites every proxied call's model to the name.
         self.adapter_name: str | None = None
         self.adapter_dir: Path | None = None
+        # Several policies: each policy's adapter, by policy name, as served now.
+        self.policies: dict[str, str] = {}
         self.gateway_url: str | None = None
         self._gateway_key: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -377,7 +379,7 @@ class VLLMEngine:
         if self.weights_dir != self.model_dir:
             await self.load_weights(self.weights_dir, version=self.policy_version)
         elif self.adapter_dir is not None:
-            self.adapter_name = None  # the new server has no adapter loaded
+            self.adapter_name, self.policies = None, {}  # the new server has no adapter loaded
             await self.load_adapter(self.adapter_dir, version=self.policy_version)
         elif self.gateway_url is not None:
             await self.register_with_gateway(self.gateway_url, self._gateway_key or "")
@@ -483,6 +485,7 @@ class VLLMEngine:
         if not any(wdir.glob("*.safetensors")):
             raise EngineError(f"no *.safetensors in {wdir}")
         self.adapter_name = self.adapter_dir = None  # whole weights: the base is the policy again
+        self.policies = {}
         if self.keep_requests:
             return await self._load_keeping_requests(wdir, version)
         sleeping = self._sleep_level > 0
@@ -504,23 +507,33 @@ class VLLMEngine:
         the base weights stay), re-register with the attached gateway (which then sends every
         call to that name), and unload the adapter served before, so a long run never runs
         out of LoRA slots. Traffic should be drained first, as for `load_weights`. Returns
-        the name."""
+        the name.
+
+        A folder of several policies' adapters (a PEFT folder per policy, no adapter of its
+        own) serves each as `{policy}-v{version}`, and the registration tells the gateway
+        which name serves which policy (`policies`), so agents pick one by name."""
         adir = Path(adapter_dir).absolute()
         if self._sleep_level > 0:
             await self.wake_up()
-        name = f"{self.served_model_name}-v{version}"
-        await self._post(
-            "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adir), "load_inplace": True}
-        )
-        previous, self.adapter_name, self.adapter_dir = self.adapter_name, name, adir
+        by_policy: dict[str, Path] = {}
+        if not (adir / "adapter_config.json").is_file():
+            by_policy = {d.name: d for d in sorted(adir.iterdir()) if (d / "adapter_config.json").is_file()}
+        served = {policy: f"{policy}-v{version}" for policy in by_policy}
+        name = next(iter(served.values()), f"{self.served_model_name}-v{version}")
+        for lora_name, path in [(served[p], d) for p, d in by_policy.items()] or [(name, adir)]:
+            await self._post(
+                "/v1/load_lora_adapter", json={"lora_name": lora_name, "lora_path": str(path), "load_inplace": True}
+            )
+        previous = {*self.policies.values(), self.adapter_name} - {None, *served.values(), name}
+        self.adapter_name, self.adapter_dir, self.policies = name, adir, served
         self.policy_version = int(version)
         if self.gateway_url is not None:
             await self.register_with_gateway(self.gateway_url, self._gateway_key or "")
-        if previous is not None and previous != name:
-            async with httpx.AsyncClient(timeout=60.0, trust_env=False) as client:
-                resp = await client.post(f"{self.server_url}/v1/unload_lora_adapter", json={"lora_name": previous})
-            if resp.status_code >= 400:  # not fatal: the slot is taken back when vLLM needs it
-                log.warning("unloading LoRA adapter %s: HTTP %d %s", previous, resp.status_code, resp.text[:200])
+        async with httpx.AsyncClient(timeout=60.0, trust_env=False) as client:
+            for old in sorted(n for n in previous if n is not None):
+                resp = await client.post(f"{self.server_url}/v1/unload_lora_adapter", json={"lora_name": old})
+                if resp.status_code >= 400:  # not fatal: the slot is taken back when vLLM needs it
+                    log.warning("unloading LoRA adapter %s: HTTP %d %s", old, resp.status_code, resp.text[:200])
         return name
 
     async def _reload(self, wdir: Path) -> None:
@@ -651,6 +664,8 @@ class VLLMEngine:
         }
         if frozen:
             entry["frozen"] = True
+        if self.policies:
+            entry["policies"] = dict(self.policies)
         return [entry]
 
     async def register_with_gateway(

@@ -69,9 +69,10 @@ class EngineWeightSync:
 
 
 class EngineAdapterSync:
-    """LoRA's weight sync: the policy's adapter alone, gathered and saved in PEFT's format
-    under `adapters_root/v{version}`, and loaded by every engine at runtime under a new name
-    per version (`VLLMEngine.load_adapter`, which unloads the previous one). Only the
+    """LoRA's weight sync: the policy's adapter alone (with several policies, a folder per
+    policy), gathered and saved in PEFT's format under `adapters_root/v{version}`, and loaded
+    by every engine at runtime under a new name per version (`VLLMEngine.load_adapter`, which
+    unloads the previous one). Only the
     current version's folder is kept (an engine restarted by its watchdog loads it again)."""
 
     def __init__(
@@ -90,7 +91,7 @@ class EngineAdapterSync:
         await asyncio.to_thread(policy.save_adapter, target, write=bool(self.engines))
         if not self.engines:
             return
-        self.last_bytes = sum(f.stat().st_size for f in target.iterdir())
+        self.last_bytes = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
         await asyncio.gather(
             *(self._load(engine, lock, target, version) for engine, lock in zip(self.engines, self.locks))
         )

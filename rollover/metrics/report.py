@@ -39,6 +39,18 @@ PANELS = (
 HELD_OUT = ("val/reward_mean", "val/accuracy")
 
 
+def _policy_panels(rows: list[dict[str, Any]]) -> list[tuple[str, tuple[str, ...]]]:
+    """A run of several policies (`policy/<name>/...` metrics): one panel, each policy's
+    training reward and entropy."""
+    names = sorted(
+        {key.split("/")[1] for row in rows for key in row if key.endswith("/reward_mean") and key.startswith("policy/")}
+    )
+    if not names:
+        return []
+    keys = tuple(key for name in names for key in (f"policy/{name}/reward_mean", f"policy/{name}/actor/entropy"))
+    return [("policies", keys)]
+
+
 class ReportError(ValueError):
     pass
 
@@ -97,9 +109,13 @@ def build_figure(run_dir: str | Path) -> Figure:
 
     run_dir = Path(run_dir)
     rows = _rows(run_dir)
-    figure, axes = plt.subplots(2, 3, figsize=(15, 8))
+    panels = [*PANELS, *_policy_panels(rows)]
+    n_rows = -(-len(panels) // 3)
+    figure, axes = plt.subplots(n_rows, 3, figsize=(15, 4 * n_rows), squeeze=False)
+    for axis in axes.flat[len(panels) :]:
+        axis.set_visible(False)
     plotted = 0
-    for axis, (title, keys) in zip(axes.flat, PANELS):
+    for axis, (title, keys) in zip(axes.flat, panels):
         for key in keys:
             points = [(row["step"], row[key]) for row in rows if key in row]
             if not points:

@@ -5,14 +5,20 @@ base never moves, and with the adapter disabled it is the KL reference.
 The adapter is written in PEFT's own format (`adapter_config.json` and
 `adapter_model.safetensors`, names without the adapter's name), which vLLM's runtime LoRA
 loading and `PeftModel.from_pretrained` both read.
+
+Several policies (`agentlightning.policies`) are several adapters in the one PEFT model, each
+under its policy's name; one is active at a time (`activate`), and the adapter folder holds a
+PEFT folder per policy (`<folder>/<policy>/`). One policy is PEFT's adapter "default", written
+in the folder itself.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +30,21 @@ from rollover.distributed import sharding
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+SINGLE = "default"  # PEFT's name for a model's only adapter
 
 
-def wrap(model: torch.nn.Module, config: ModelConfig, base_path: str | Path, *, seed: int) -> Any:  # -> PeftModel
+def adapter_names(policies: Sequence[str]) -> list[str]:
+    """The PEFT adapters of a run: one per policy, else PEFT's single "default"."""
+    return list(policies) or [SINGLE]
+
+
+def wrap(
+    model: torch.nn.Module, config: ModelConfig, base_path: str | Path, *, seed: int, policies: Sequence[str] = ()
+) -> Any:  # -> PeftModel
     """`model` with a trainable LoRA adapter (the one at `lora_adapter_path`, else a fresh one
     drawn from `seed`, whose B matrices are zero: at first the policy is the base model), base
-    weights frozen."""
+    weights frozen; with `policies`, one fresh adapter per policy (each drawn from its own
+    seed), every one trainable."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if config.lora_adapter_path is not None:
@@ -52,33 +67,54 @@ def wrap(model: torch.nn.Module, config: ModelConfig, base_path: str | Path, *, 
         )
         # Every rank draws the same A (FSDP2 shards what each rank holds), and a run draws the
         # same on any number of ranks; the caller's random state is left as it was.
+        names = adapter_names(policies)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            wrapped = get_peft_model(model, lora)
+            wrapped = get_peft_model(model, lora, adapter_name=names[0])
+            for offset, name in enumerate(names[1:], start=1):
+                torch.manual_seed(seed + offset)
+                wrapped.add_adapter(name, copy.deepcopy(lora))
+        activate(wrapped, names[0])
     # The adapter's config names its base: `rollover model merge` finds it there.
-    wrapped.peft_config["default"].base_model_name_or_path = str(Path(base_path).absolute())
+    for adapter_config in wrapped.peft_config.values():
+        adapter_config.base_model_name_or_path = str(Path(base_path).absolute())
     return wrapped
 
 
-def adapter_state_dict(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
-    """The adapter's weights whole, on the host, under PEFT's saved names (a collective on
+def activate(model: Any, name: str) -> None:
+    """Make `name` the adapter the model's forward passes go through. PEFT's `set_adapter`
+    also freezes the other adapters; every adapter stays trainable here (the optimizer and
+    FSDP2 were built over all of them: one not in the forward simply gets no gradient)."""
+    model.set_adapter(name)
+    for parameter_name, parameter in model.named_parameters():
+        if "lora_" in parameter_name:
+            parameter.requires_grad_(True)
+
+
+def adapter_parameters(model: torch.nn.Module, name: str) -> list[torch.nn.Parameter]:
+    """The trainable parameters of adapter `name` (PEFT names them `...lora_A.<name>.weight`)."""
+    return [p for n, p in model.named_parameters() if p.requires_grad and f".{name}." in n and "lora_" in n]
+
+
+def adapter_state_dict(model: torch.nn.Module, *, keep: bool, name: str = SINGLE) -> dict[str, torch.Tensor]:
+    """Adapter `name`'s weights whole, on the host, under PEFT's saved names (a collective on
     several ranks: every rank takes part in the gathers; those without `keep` get `{}`)."""
     from peft import get_peft_model_state_dict
 
     gathered: dict[str, torch.Tensor] = {}
-    for name, parameter in model.named_parameters():
-        if not parameter.requires_grad:  # the frozen base
+    for parameter_name, parameter in model.named_parameters():
+        if not parameter.requires_grad or f".{name}." not in parameter_name:  # the frozen base, other adapters
             continue
         whole = sharding.full_tensor(parameter.detach())
         if keep:
-            gathered[name] = whole.to("cpu", copy=True)
+            gathered[parameter_name] = whole.to("cpu", copy=True)
     if not keep:
         return {}
-    return dict(get_peft_model_state_dict(model, state_dict=gathered))
+    return dict(get_peft_model_state_dict(model, state_dict=gathered, adapter_name=name))
 
 
-def write_adapter(state: Mapping[str, torch.Tensor], model: Any, directory: str | Path) -> Path:
-    """`state` (from `adapter_state_dict`) and the model's adapter config as a PEFT adapter
+def write_adapter(state: Mapping[str, torch.Tensor], model: Any, directory: str | Path, name: str = SINGLE) -> Path:
+    """`state` (from `adapter_state_dict`) and adapter `name`'s config as a PEFT adapter
     folder, atomically (a fresh sibling folder renamed into place: a reader never sees half of
     one; an existing folder is replaced). Returns the folder, absolute."""
     from safetensors.torch import save_file
@@ -89,7 +125,7 @@ def write_adapter(state: Mapping[str, torch.Tensor], model: Any, directory: str 
     try:
         tensors = {name: t.contiguous() for name, t in state.items()}
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        model.peft_config["default"].save_pretrained(str(tmp))
+        model.peft_config[name].save_pretrained(str(tmp))
         os.chmod(tmp, 0o755)
         if out.exists():
             shutil.rmtree(out)
@@ -102,6 +138,14 @@ def write_adapter(state: Mapping[str, torch.Tensor], model: Any, directory: str 
 
 def is_adapter(directory: str | Path) -> bool:
     return (Path(directory) / ADAPTER_CONFIG).is_file()
+
+
+def policy_adapters(directory: str | Path) -> dict[str, Path]:
+    """A several-policy adapter folder's PEFT folders by policy ({} for a one-policy folder)."""
+    root = Path(directory)
+    if not root.is_dir() or is_adapter(root):
+        return {}
+    return {d.name: d for d in sorted(root.iterdir()) if d.is_dir() and is_adapter(d)}
 
 
 def merge(adapter_dir: str | Path, out_dir: str | Path) -> Path:

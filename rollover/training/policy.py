@@ -9,6 +9,10 @@ One update, in the order `run_update` takes it (every rank runs it on the same `
    normalised within its group (`advantages`); every sample of the rollout carries it.
 4. Rollout correction over the whole batch: IS weights and rejection masks from π_old vs μ
    (in bypass mode they are taken per micro-batch against π_θ, as verl does).
+With several policies (`agentlightning.policies`, each a LoRA adapter) every sample is its
+policy's: π_old goes through its own adapter, advantages are normalised within (group, policy),
+and each optimizer step trains one policy's mini-batch at that policy's learning rate.
+
 5. The optimizer steps. One mini-batch's loss is the policy loss aggregated over the whole
    mini-batch (`loss.aggregate`: counts of all its micro-batches on all ranks), minus
    `entropy_coeff`·entropy, plus `kl_loss_coef`·KL(π_θ‖π_ref); so N ranks and any
@@ -106,8 +110,11 @@ class Policy:
         if config.actor_rollout_ref.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.lora = config.actor_rollout_ref.model.lora
+        self.policies = list(config.agentlightning.policies)  # [] = the run's one policy
         if self.lora:  # before sharding: FSDP2 shards the adapter with its layer
-            model = lora.wrap(model, config.actor_rollout_ref.model, model_path, seed=config.trainer.seed)
+            model = lora.wrap(
+                model, config.actor_rollout_ref.model, model_path, seed=config.trainer.seed, policies=self.policies
+            )
         if self.world.distributed:
             fsdp = config.actor_rollout_ref.actor.fsdp_config
             mixed = fsdp.mixed_precision == "bf16" or (fsdp.mixed_precision == "auto" and self.device.type == "cuda")
@@ -117,8 +124,19 @@ class Policy:
         self.model = model
         optim = config.actor_rollout_ref.actor.optim
         # With LoRA only the adapter is trainable: the base has no gradients and no Adam state.
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas)
+        # Several policies: a parameter group per policy's adapter, its lr a multiple of the
+        # actor's (so the lr schedule scales every policy's alike).
+        self.lr_scales = [
+            (config.agentlightning.policies[name].lr or optim.lr) / optim.lr for name in self.policies
+        ] or [1.0]
+        groups = (
+            [{"params": lora.adapter_parameters(self.model, name)} for name in self.policies]
+            if self.policies
+            else [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
+        )
+        self.optimizer = torch.optim.AdamW(groups, lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas)
+        for group, scale in zip(self.optimizer.param_groups, self.lr_scales):
+            group["lr"] = optim.lr * scale
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         # The reference is the model this run starts from (a resumed run's base, not its
@@ -140,9 +158,15 @@ class Policy:
     def save_adapter(self, directory: str | Path, *, write: bool) -> None:
         """LoRA: the adapter alone, gathered (a collective on several ranks), as a PEFT folder
         written by the ranks with `write`."""
-        state = lora.adapter_state_dict(self.model, keep=write)
-        if write:
-            lora.write_adapter(state, self.model, directory)
+        if not self.policies:
+            state = lora.adapter_state_dict(self.model, keep=write)
+            if write:
+                lora.write_adapter(state, self.model, directory)
+            return
+        for name in self.policies:  # the same order on every rank: each is a collective
+            state = lora.adapter_state_dict(self.model, keep=write, name=name)
+            if write:
+                lora.write_adapter(state, self.model, Path(directory) / name, name)
 
     def save(self, directory: str | Path) -> Path:
         """The model as a Hugging Face folder (weights, config, tokenizer), written by rank 0;
@@ -171,6 +195,7 @@ class Policy:
     def save_training_state(self, directory: str | Path) -> None:
         """Model and optimizer, sharded (`torch.distributed.checkpoint`), loadable on any
         number of ranks; with LoRA the adapter and its optimizer state only."""
+        _fill_adam_state(self.optimizer)
         sharding.save_training_state(self.model, self.optimizer, Path(directory), trainable_only=self.lora)
 
     def load_training_state(self, directory: str | Path) -> None:
@@ -183,13 +208,21 @@ class Policy:
         optimizer step's mini-batch; `rng` shuffles each PPO epoch (it is the trainer's,
         checkpointed)."""
         kept = [s for s in batch.samples if s.num_target_tokens > 0]
+        no_policy = 0
+        if self.policies:  # a call no policy answered (e.g. before the adapters were served) trains none
+            no_policy = sum(s.policy not in self.policies for s in kept)
+            kept = [s for s in kept if s.policy in self.policies]
         mini = self._mini_batch_samples(len(kept))
         kept, dropped = self._cap_update_times(kept, batch.rollouts, mini, rng)
+        if self.policies:
+            dropped["training/n_sample_dropped/no_policy"] = float(no_policy)
         steps: list[list[int]] = []
         for _ in range(self.config.actor_rollout_ref.actor.ppo_epochs):
             order = list(range(len(kept)))
             rng.shuffle(order)
-            steps += [order[start : start + mini] for start in range(0, len(order), mini)]
+            # Several policies: each mini-batch is one policy's (each step moves one adapter).
+            parts = [[i for i in order if kept[i].policy == name] for name in self.policies] or [order]
+            steps += [part[start : start + mini] for part in parts for start in range(0, len(part), mini)]
         return UpdatePlan(kept, list(batch.rollouts), steps, lr, kl_coef, dropped)
 
     def update(self, batch: UpdateBatch, rng: random.Random, *, lr: float, kl_coef: float = 0.0) -> dict[str, float]:
@@ -246,26 +279,34 @@ class Policy:
         every rank."""
         if not plan.samples:
             return {}
-        for group in self.optimizer.param_groups:
-            group["lr"] = plan.lr
+        for group, scale in zip(self.optimizer.param_groups, self.lr_scales):
+            group["lr"] = plan.lr * scale
         prepared = self._prepare(plan.samples)
         metrics = dict(plan.metrics)
         metrics |= self._assign_advantages(prepared, plan.rollouts, plan.kl_coef)
         metrics |= self._decoupled_correction(prepared)
         self._assign_divisors(prepared)
 
-        sums: dict[str, float] = {}
-        total_tokens = 0
+        # Token-weighted over every step, and with several policies over each policy's steps.
+        sums: dict[str, dict[str, float]] = {}
+        tokens_by: dict[str, int] = {}
         self.progress.update(0, len(plan.steps))
         skipped = 0
         for done, indices in enumerate(plan.steps, start=1):
-            step_metrics, tokens, stepped = self._optimizer_step([prepared[i] for i in indices])
+            chunk = [prepared[i] for i in indices]
+            step_metrics, tokens, stepped = self._optimizer_step(chunk)
             skipped += not stepped
-            for key, value in step_metrics.items():
-                sums[key] = sums.get(key, 0.0) + value * tokens
-            total_tokens += tokens
+            for prefix in [""] + ([f"policy/{chunk[0].sample.policy}/"] if self.policies else []):
+                into = sums.setdefault(prefix, {})
+                for key, value in step_metrics.items():
+                    into[key] = into.get(key, 0.0) + value * tokens
+                tokens_by[prefix] = tokens_by.get(prefix, 0) + tokens
             self.progress.update(done, len(plan.steps))
-        averaged = {key: value / max(total_tokens, 1) for key, value in sums.items()}
+        averaged = {
+            prefix + key: value / max(tokens_by[prefix], 1)
+            for prefix, into in sums.items()
+            for key, value in into.items()
+        }
         # Settings are reported as set, not through the token mean (float sums move a
         # constant in its last bits); skipped steps are a count.
         settings = {"actor/lr": plan.lr, "actor/n_skipped_steps": float(skipped)}
@@ -286,19 +327,52 @@ class Policy:
         if self._bypass:
             old = [torch.tensor(s.behaviour_logprobs[1:], dtype=torch.float32) for s in samples]
         else:
-            old = per_sample_logprobs(
+            old = self._old_logprobs(samples)
+        refs: list[torch.Tensor | None] = [None] * len(samples)
+        if self.reference is not None:
+            refs = list(self.reference.logprobs(samples, self.pad_token_id, self._temperature))
+        return [Prepared(sample, o, r) for sample, o, r in zip(samples, old, refs)]
+
+    def _old_logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """log π_old of every sample, each through its own policy's adapter (every rank runs
+        the same passes in the same order: they are collectives)."""
+        parts = [[i for i, s in enumerate(samples) if s.policy == name] for name in self.policies]
+        old: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        names: list[str | None] = [*self.policies] or [None]
+        for name, indices in zip(names, parts or [list(range(len(samples)))]):
+            if not indices:
+                continue
+            if name is not None:
+                lora.activate(self.model, name)
+            computed = per_sample_logprobs(
                 self.model,
-                samples,
+                [samples[i] for i in indices],
                 pad_token_id=self.pad_token_id,
                 temperature=self._temperature,
                 world=self.world,
                 device=self.device,
                 batching=self._batching(old_logprobs=True),
             )
-        refs: list[torch.Tensor | None] = [None] * len(samples)
-        if self.reference is not None:
-            refs = list(self.reference.logprobs(samples, self.pad_token_id, self._temperature))
-        return [Prepared(sample, o, r) for sample, o, r in zip(samples, old, refs)]
+            for i, logprobs in zip(indices, computed):
+                old[i] = logprobs
+        return old
+
+    def _units(self, prepared: Sequence[Prepared], rollouts: Sequence[RolloutScore]) -> list[RolloutScore]:
+        """What advantages are normalised over: the rollouts; with several policies each
+        (rollout, policy) with samples of that policy, in the group (group, policy), so each
+        policy's advantages are its own (`_unit` names them)."""
+        if not self.policies:
+            return list(rollouts)
+        present = {(p.sample.rollout_id, p.sample.policy) for p in prepared}
+        return [
+            RolloutScore(_unit(r.rollout_id, name), _unit(r.group_id, name), r.reward)
+            for r in rollouts
+            for name in self.policies
+            if (r.rollout_id, name) in present
+        ]
+
+    def _unit_of(self, sample: Sample) -> str:
+        return _unit(sample.rollout_id, sample.policy) if self.policies else sample.rollout_id
 
     def _batch_tensors(self, prepared: Sequence[Prepared]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The whole batch, padded: loss mask, π_old and μ (π_old where no logprobs were
@@ -318,6 +392,7 @@ class Policy:
         advantages over trained tokens."""
         algorithm = self.config.algorithm
         metrics: dict[str, float] = {}
+        rollouts = self._units(prepared, rollouts)
         scores = [r.reward for r in rollouts]
         if algorithm.use_kl_in_reward:
             kl_sums: dict[str, float] = {}
@@ -327,7 +402,8 @@ class Policy:
                 mask = torch.tensor(p.sample.loss_mask[1:], dtype=torch.float32)
                 old = torch.nan_to_num(p.old)
                 kld = kl_estimate(old, p.ref, algorithm.kl_penalty, mask=mask) * mask
-                kl_sums[p.sample.rollout_id] = kl_sums.get(p.sample.rollout_id, 0.0) + float(kld.sum())
+                unit = self._unit_of(p.sample)
+                kl_sums[unit] = kl_sums.get(unit, 0.0) + float(kld.sum())
                 per_sample.append(float(kld.sum() / mask.sum().clamp(min=1)))
             scores = penalised_scores(rollouts, kl_sums, kl_coef)
             metrics["actor/reward_kl_penalty"] = sum(per_sample) / max(len(per_sample), 1)
@@ -340,7 +416,11 @@ class Policy:
         ).tolist()
         by_rollout = {r.rollout_id: a for r, a in zip(rollouts, advantages)}
         for p in prepared:
-            p.sample.advantage = by_rollout.get(p.sample.rollout_id, 0.0)
+            p.sample.advantage = by_rollout.get(self._unit_of(p.sample), 0.0)
+        for name in self.policies:
+            rewards = [score for r, score in zip(rollouts, scores) if r.rollout_id.endswith(_unit("", name))]
+            metrics[f"policy/{name}/reward_mean"] = sum(rewards) / max(len(rewards), 1)
+            metrics[f"policy/{name}/n_samples"] = float(sum(p.sample.policy == name for p in prepared))
         token_advantages = [(p.sample.advantage, p.sample.num_target_tokens) for p in prepared]
         n_tokens = sum(n for _, n in token_advantages)
         metrics |= {
@@ -387,10 +467,13 @@ class Policy:
         over the whole batch times the batch's rows."""
         if self.config.actor_rollout_ref.actor.policy_loss.loss_mode != "per_rollout_mean":
             return
-        tokens = [float(p.keep.sum()) if p.keep is not None else p.sample.num_target_tokens for p in prepared]
-        divisors = rollout_row_divisors([p.sample.rollout_id for p in prepared], tokens)
-        for p, divisor in zip(prepared, divisors):
-            p.divisor = divisor
+        # Several policies: each policy's rows are a batch of their own (its steps train them).
+        names: list[str | None] = [*self.policies] or [None]
+        for name in names:
+            rows = [p for p in prepared if name is None or p.sample.policy == name]
+            tokens = [float(p.keep.sum()) if p.keep is not None else p.sample.num_target_tokens for p in rows]
+            for p, divisor in zip(rows, rollout_row_divisors([self._unit_of(p.sample) for p in rows], tokens)):
+                p.divisor = divisor
 
     def _counts(self, chunk: Sequence[Prepared]) -> BatchCounts:
         """The mini-batch's counts (every rank holds every sample, so no collective)."""
@@ -407,6 +490,8 @@ class Policy:
         """One optimizer step on the mini-batch `chunk`, this rank taking its share by tokens:
         its metrics, its trained-token count, and whether the step was taken."""
         actor = self.config.actor_rollout_ref.actor
+        if self.policies:  # the chunk is one policy's: its adapter alone gets a gradient
+            lora.activate(self.model, str(chunk[0].sample.policy))
         counts = self._counts(chunk)
         mine, n_passes = rank_passes([len(p.sample) for p in chunk], self.world, self._batching())
         self.optimizer.zero_grad(set_to_none=True)
@@ -513,6 +598,25 @@ class Policy:
             "actor/entropy": float(torch.where(on, entropy.detach(), 0.0).sum()),
         }
         return MicroBatchResult(loss, sums, shares)
+
+
+def _fill_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter that has not stepped yet (a policy none of whose steps has come)
+    AdamW's fresh state, as its first step would: a checkpoint holds every parameter's state,
+    or one with some missing could not be loaded (DCP loads into a full template)."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if not optimizer.state[parameter]:
+                optimizer.state[parameter] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(parameter, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(parameter, memory_format=torch.preserve_format),
+                }
+
+
+def _unit(rollout_id: str, policy: str | None) -> str:
+    """A rollout's share of one policy, as advantages and per-rollout divisors count it."""
+    return f"{rollout_id}\x00{policy}"
 
 
 def _normalised(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -86,3 +86,21 @@ def test_the_adapter_checkpoint_resumes_on_another_number_of_ranks(
     assert moments.keys() == saved_moments.keys() and all("lora_" in k for k in moments)
     assert relative_difference(saved_moments, moments) < 1e-6
     assert all(m.abs().sum() > 0 for m in moments.values()), "the optimizer state came back"
+
+
+def test_two_policies_on_two_ranks_take_the_steps_one_rank_takes(model_dir, tmp_path):
+    """Each optimizer step moves one policy's adapter; on 2 ranks FSDP2 gets no gradient for the
+    other adapter's shards, and the steps still equal one rank's."""
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    for n_ranks in (1, 2):
+        (tmp_path / str(n_ranks)).mkdir()
+        (tmp_path / str(n_ranks) / "samples.pkl").write_bytes(pickle.dumps((uneven_samples(vocab), 7)))
+        launch(n_ranks, model_dir, tmp_path / str(n_ranks), "roles")
+    one, two = (torch.load(tmp_path / str(n) / "weights.pt") for n in (1, 2))
+    for name in ("planner", "solver"):
+        adapter = {k: v for k, v in adapter_only(one).items() if f".{name}." in k}
+        assert adapter and max(float(v.abs().max()) for k, v in adapter.items() if "lora_B" in k) > 1e-4, name
+        assert relative_difference(adapter, {k: two[k] for k in adapter}) < 1e-4, name
+    assert {p.name for p in (tmp_path / "2" / "adapter").iterdir()} == {"planner", "solver"}

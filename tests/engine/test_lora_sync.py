@@ -1,11 +1,13 @@
 """LoRA weight sync on a real vLLM engine: only the adapter is written and loaded per update
 (the base stays), the engine serves it under a new name per version and drops the previous
 one, its logprobs are the trainer's for the adapted model, and the gateway sends every call,
-whatever model it names, to the current adapter with the exact version recorded."""
+whatever model it names, to the current adapter with the exact version recorded. Several
+policies: one engine serves each policy's adapter, and an agent picks one by name."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,12 @@ PROMPT = "What is 12 + 30?"
 
 @pytest.fixture(scope="module")
 def config():
-    return load_config(None, ["trainer.device=cpu", f"actor_rollout_ref.model.lora_rank={RANK}"])
+    # Two adapters in one batch: the two-policy tests share this engine.
+    lora_keys = [f"actor_rollout_ref.model.lora_rank={RANK}", "actor_rollout_ref.rollout.max_loras=2"]
+    return load_config(None, ["trainer.device=cpu", *lora_keys])
+
+
+ROLES = ["agentlightning.policies={planner: {}, solver: {}}"]
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +55,12 @@ def lora_engine(calc_model, config, tmp_path_factory):
         engine.stop()
 
 
-def perturb_adapter(policy: Policy, seed: int) -> None:
-    """An update's worth of change, large enough to change greedy answers."""
+def perturb_adapter(policy: Policy, seed: int, adapter: str = lora.SINGLE) -> None:
+    """An update's worth of change to `adapter`, large enough to change greedy answers."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in policy.model.named_parameters():
-            if "lora_B" in name:
+            if "lora_B" in name and f".{adapter}." in name:
                 parameter.copy_(torch.randn(parameter.shape, generator=gen) * 0.3)
 
 
@@ -72,13 +79,12 @@ def served(engine: VLLMEngine) -> set[str]:
     return {m["id"] for m in httpx.get(f"{engine.base_url}/models", timeout=30).json()["data"]}
 
 
-def max_logprob_gap(engine: VLLMEngine, model: torch.nn.Module) -> float:
+def max_logprob_gap(engine: VLLMEngine, model: torch.nn.Module, served_name: str | None = None) -> float:
     """The largest |engine − trainer| logprob over sampled tokens of the adapted model."""
     gaps: list[float] = []
     for i, prompt in enumerate(PROMPTS):
-        body = chat(
-            engine, engine.adapter_name or "", prompt, temperature=1.0, seed=i, logprobs=True, return_token_ids=True
-        )
+        name = served_name or engine.adapter_name or ""
+        body = chat(engine, name, prompt, temperature=1.0, seed=i, logprobs=True, return_token_ids=True)
         prompt_ids, choice = body["prompt_token_ids"], body["choices"][0]
         ids = torch.tensor([prompt_ids + choice["token_ids"]])
         with torch.no_grad():
@@ -198,3 +204,96 @@ def test_a_lora_run_trains_resumes_and_exports(lora_engine, calc_model, tmp_path
     assert main(["model", "merge", str(step_3), "--out", str(tmp_path / "merged")]) == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in name for name, _ in merged.named_parameters())
+
+
+def gateway_call(gateway_url: str, admin: httpx.Client, model: str) -> tuple[httpx.Response, dict[str, Any]]:
+    """One agent call through the gateway asking for `model`, and the event it recorded."""
+    rid = admin.post("/api/rollouts", json=[{"input": {}}]).json()[0]["rollout_id"]
+    admin.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running", "last_attempt_id": "a1"}})
+    url = f"{gateway_url}/proxy/rollout/{rid}/attempt/a1/mode/val/openai/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {scoped_key(ADMIN_KEY, rid, 'a1')}"}
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16}
+    reply = httpx.post(url, json=body, headers=headers, timeout=120)
+    events = admin.get(f"/api/rollouts/{rid}/events").json()
+    return reply, events[-1]["data"] if events else {}
+
+
+async def test_two_policies_are_served_by_one_engine_and_picked_by_model(lora_engine, calc_model, tmp_path):
+    policy = Policy(
+        calc_model,
+        load_config(
+            None,
+            [
+                "trainer.device=cpu",
+                f"actor_rollout_ref.model.lora_rank={RANK}",
+                "actor_rollout_ref.rollout.max_loras=2",
+                *ROLES,
+            ],
+        ),
+    )
+    for seed, name in ((31, "planner"), (32, "solver")):
+        perturb_adapter(policy, seed, name)
+    sync = EngineAdapterSync([lora_engine], tmp_path / "adapters")
+    with GatewayThread(admin_key=ADMIN_KEY) as gateway:
+        lora_engine.attach_gateway(gateway.url, ADMIN_KEY)
+        try:
+            await sync.sync(policy, 1)
+            assert set(lora.policy_adapters(tmp_path / "adapters" / "v1")) == {"planner", "solver"}
+            assert lora_engine.policies == {"planner": "planner-v1", "solver": "solver-v1"}
+            assert served(lora_engine) >= {"planner-v1", "solver-v1"}
+            planner, solver = greedy(lora_engine, "planner-v1"), greedy(lora_engine, "solver-v1")
+            assert planner != solver  # two adapters, two policies
+            lora.activate(policy.model, "planner")
+            assert max_logprob_gap(lora_engine, policy.model.eval(), "planner-v1") < 1e-3
+
+            admin = httpx.Client(base_url=gateway.url, headers={"x-api-key": ADMIN_KEY}, timeout=60)
+            for name, answer in (("planner", planner), ("solver", solver)):
+                reply, event = gateway_call(gateway.url, admin, name)
+                assert reply.status_code == 200, reply.text
+                assert event["model"] == f"{name}-v1" and event["policy"] == name
+                assert event["response_token_ids"] == answer
+            reply, _ = gateway_call(gateway.url, admin, "critic")
+            assert reply.status_code == 404 and "planner" in reply.json()["reason"]
+
+            # The next version replaces both; the old names are unloaded.
+            for seed, name in ((33, "planner"), (34, "solver")):
+                perturb_adapter(policy, seed, name)
+            await sync.sync(policy, 2)
+            assert served(lora_engine) == {lora_engine.served_model_name, "planner-v2", "solver-v2"}
+            reply, event = gateway_call(gateway.url, admin, "solver")
+            assert event["model"] == "solver-v2" and event["policy_version"] == 2
+        finally:
+            lora_engine.gateway_url = None
+
+
+def test_the_two_role_example_trains_each_role_on_its_own_calls(lora_engine, calc_model, tmp_path):
+    """`rollover train examples/calc/config_roles.yaml`, briefly: the planner answers every
+    rollout's first call and the solver the rest, each role's samples train its own adapter,
+    both are checkpointed, and `rollover model merge --policy` exports one."""
+    import sqlite3
+
+    from rollover.cli.main import main
+    from tests.runs import train_briefly
+
+    roles = Path(__file__).resolve().parents[2] / "examples" / "calc" / "config_roles.yaml"
+    small = ["data.val_batch_size=8", "trainer.test_freq=-1", "algorithm.filter_groups.enable=false"]
+    train, _ = train_briefly(
+        roles, tmp_path, calc_model, "roles", 2, *small, f"actor_rollout_ref.model.lora_rank={RANK}", engine=lora_engine
+    )
+    assert all(row["policy/planner/n_samples"] > 0 and row["policy/solver/n_samples"] > 0 for row in train)
+    assert all("policy/planner/actor/pg_loss" in row and "policy/solver/actor/pg_loss" in row for row in train)
+    run = tmp_path / "roles"
+    [store] = run.glob("*.db")
+    with sqlite3.connect(store) as conn:
+        rows = conn.execute(
+            "SELECT rollout_id, data FROM events WHERE event_type='model_request' ORDER BY event_id"
+        ).fetchall()
+    calls: dict[str, list[str]] = {}
+    for rollout_id, data in rows:
+        calls.setdefault(rollout_id, []).append(json.loads(data)["policy"])
+    assert calls and all(roles_[0] == "planner" and set(roles_[1:]) <= {"solver"} for roles_ in calls.values())
+    assert any(len(roles_) > 1 for roles_ in calls.values())  # the solver answered too
+    checkpoint = run / "checkpoints" / "step_2"
+    assert set(lora.policy_adapters(checkpoint / "model")) == {"planner", "solver"}
+    assert lora_engine.policies == {"planner": "planner-v2", "solver": "solver-v2"}
+    assert main(["model", "merge", str(checkpoint), "--policy", "planner", "--out", str(tmp_path / "planner")]) == 0

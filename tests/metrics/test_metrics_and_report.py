@@ -122,3 +122,25 @@ def test_report_names_sync_mode(tmp_path):
     run = evaluated_run(tmp_path, config=False)
     (run / "config.yaml").write_text(dump_config(load_config(None, ["data.train_batch_size=4"])))
     assert run_label(run).startswith("mode: sync (train_batch_size=4)")
+
+
+def test_every_panel_is_drawn_and_policies_get_their_own(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from rollover.metrics.report import PANELS
+
+    rows = [
+        {"step": step, "critic/score/mean": 0.1 * step, "actor/entropy": 1.0 / step}
+        | {f"policy/{name}/reward_mean": 0.2 * step for name in ("planner", "solver")}
+        | {f"policy/{name}/actor/entropy": 0.5 for name in ("planner", "solver")}
+        for step in (1, 2, 3)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figure = build_figure(tmp_path)
+    titles = [axis.get_title() for axis in figure.axes if axis.get_visible()]
+    plt.close(figure)
+    assert titles == [title for title, _ in PANELS] + ["policies"]
+    policies = next(axis for axis in figure.axes if axis.get_title() == "policies")
+    assert {line.get_label() for line in policies.lines} == {
+        f"policy/{name}/{key}" for name in ("planner", "solver") for key in ("reward_mean", "actor/entropy")
+    }
