@@ -197,6 +197,10 @@ async def _run(
             )
             if live is not None:
                 trainer.progress = policy.progress = live
+            if channel is not None:
+                # Every node's engines serve, and the other ranks now take commands: before the
+                # restore, whose LoadTrainingState they must be listening for.
+                await asyncio.to_thread(channel.barrier)
             if checkpoint is not None:
                 _restore(trainer, trainer_policy, checkpoint)
                 stranded = await trainer.reconcile_after_restart()
@@ -205,8 +209,6 @@ async def _run(
                     file=sys.stderr,
                 )
             await register_all(engines, gateway_url, admin_key, trainer.policy_version)
-            if channel is not None:
-                await asyncio.to_thread(channel.barrier)  # every node's engines serve
             if config.actor_rollout_ref.model.lora:
                 # The engines serve the policy's adapter from the first call: a fresh one (the
                 # base's answers), lora_adapter_path's, or a resumed run's.
