@@ -97,6 +97,8 @@ class Policy:
 
     progress: Progress = NullProgress()  # told of each optimizer step (from the update's thread)
     world: World = World()  # one rank unless given
+    policies: tuple[str, ...] = ()  # several policies' names (agentlightning.policies); () = one
+    lr_scales: tuple[float, ...] = (1.0,)  # each optimizer parameter group's lr / the actor's
 
     def __init__(self, model_path: str | Path, config: RolloverConfig, world: World | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -110,7 +112,7 @@ class Policy:
         if config.actor_rollout_ref.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.lora = config.actor_rollout_ref.model.lora
-        self.policies = list(config.agentlightning.policies)  # [] = the run's one policy
+        self.policies = tuple(config.agentlightning.policies)
         if self.lora:  # before sharding: FSDP2 shards the adapter with its layer
             model = lora.wrap(
                 model, config.actor_rollout_ref.model, model_path, seed=config.trainer.seed, policies=self.policies
@@ -126,9 +128,9 @@ class Policy:
         # With LoRA only the adapter is trainable: the base has no gradients and no Adam state.
         # Several policies: a parameter group per policy's adapter, its lr a multiple of the
         # actor's (so the lr schedule scales every policy's alike).
-        self.lr_scales = [
+        self.lr_scales = tuple(
             (config.agentlightning.policies[name].lr or optim.lr) / optim.lr for name in self.policies
-        ] or [1.0]
+        ) or (1.0,)
         groups = (
             [{"params": lora.adapter_parameters(self.model, name)} for name in self.policies]
             if self.policies
