@@ -15,8 +15,10 @@ from rollover.config import ConfigError, load_config
 from rollover.training import lora
 from rollover.training.policy import Policy
 from rollover.training.samples import RolloutScore, Sample, UpdateBatch
+from tests.distributed.test_update_ranks import model_dir
 
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"]
+__all__ = ["model_dir"]  # the tiny policy folder, shared with test_update_ranks and test_policies
 pytestmark = pytest.mark.slow  # a tokenizer and several policies built, ~10 s a test on 2 cores
 
 BASE = [
@@ -25,29 +27,6 @@ BASE = [
     "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla",
     "actor_rollout_ref.rollout.n=2",
 ]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from rollover.modelzoo.tiny import build_tiny_tokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-base")
-    tokenizer = build_tiny_tokenizer(folder, vocab_size=300)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
 
 
 def batch() -> UpdateBatch:
