@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import sqlite3
@@ -113,6 +114,19 @@ def test_one_command_trains_on_two_ranks_with_two_engines(two_rank_run):
     assert len(engines) == 2 and min(engines.values()) > 0, engines  # both engines served agents
     shards = sorted(p.name for p in (run_dir / "checkpoints" / "step_3" / "training_state").glob("*.distcp"))
     assert len(shards) == 2, shards  # each rank wrote its own shard
+
+
+def test_resume_on_two_ranks(two_rank_run, calc_model, tmp_path):
+    """Both ranks load the sharded checkpoint: rank 0 restores it only once the other ranks take
+    commands (sent while they still waited at the start-up barrier, the run hung)."""
+    shutil.copytree(two_rank_run / "ranks", tmp_path / "ranks", ignore=shutil.ignore_patterns("weights", "agent_logs"))
+    latest = int((tmp_path / "ranks" / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    more = ("resume=true", "trainer.n_gpus_per_node=2", f"trainer.total_training_steps={latest + 1}")
+    done = subprocess.run(train_command(tmp_path, calc_model, *more), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed step_{latest}" in done.stderr
+    last = training_rows(tmp_path / "ranks")[-1]
+    assert (last["step"], last["trainer/world_size"]) == (latest + 1, 2)
 
 
 def test_resume_on_one_rank_after_a_kill_9(two_rank_run, calc_model):
