@@ -119,7 +119,13 @@ def test_one_command_trains_on_two_ranks_with_two_engines(two_rank_run):
 def test_resume_on_two_ranks(two_rank_run, calc_model, tmp_path):
     """Both ranks load the sharded checkpoint: rank 0 restores it only once the other ranks take
     commands (sent while they still waited at the start-up barrier, the run hung)."""
-    shutil.copytree(two_rank_run / "ranks", tmp_path / "ranks", ignore=shutil.ignore_patterns("weights", "agent_logs"))
+    skipped = shutil.ignore_patterns("weights", "agent_logs", "store.db*")
+    shutil.copytree(two_rank_run / "ranks", tmp_path / "ranks", ignore=skipped)
+    with (
+        sqlite3.connect(two_rank_run / "ranks" / "store.db") as src,
+        sqlite3.connect(tmp_path / "ranks" / "store.db") as dst,
+    ):
+        src.backup(dst)  # whole, its write-ahead log included
     latest = int((tmp_path / "ranks" / "checkpoints" / "latest").read_text().removeprefix("step_"))
     more = ("resume=true", "trainer.n_gpus_per_node=2", f"trainer.total_training_steps={latest + 1}")
     done = subprocess.run(train_command(tmp_path, calc_model, *more), capture_output=True, text=True, timeout=300)
