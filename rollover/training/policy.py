@@ -9,14 +9,14 @@ One update, in the order `run_update` takes it (every rank runs it on the same `
    normalised within its group (`advantages`); every sample of the rollout carries it.
 4. Rollout correction over the whole batch: IS weights and rejection masks from π_old vs μ
    (in bypass mode they are taken per micro-batch against π_θ, as verl does).
-With several policies (`agentlightning.policies`, each a LoRA adapter) every sample is its
-policy's: π_old goes through its own adapter, advantages are normalised within (group, policy),
-and each optimizer step trains one policy's mini-batch at that policy's learning rate.
-
 5. The optimizer steps. One mini-batch's loss is the policy loss aggregated over the whole
    mini-batch (`loss.aggregate`: counts of all its micro-batches on all ranks), minus
    `entropy_coeff`·entropy, plus `kl_loss_coef`·KL(π_θ‖π_ref); so N ranks and any
    micro-batching take the step one rank with the whole mini-batch would.
+
+With several policies (`agentlightning.policies`, each a LoRA adapter) every sample is its
+policy's: π_old goes through its own adapter, advantages are normalised within (group, policy),
+and each optimizer step trains one policy's mini-batch at that policy's learning rate.
 """
 
 from __future__ import annotations
@@ -420,6 +420,7 @@ class Policy:
         for p in prepared:
             p.sample.advantage = by_rollout.get(self._unit_of(p.sample), 0.0)
         for name in self.policies:
+            # The units named for this policy (`_unit`: the rollout id, then the policy's name).
             rewards = [score for r, score in zip(rollouts, scores) if r.rollout_id.endswith(_unit("", name))]
             metrics[f"policy/{name}/reward_mean"] = sum(rewards) / max(len(rewards), 1)
             metrics[f"policy/{name}/n_samples"] = float(sum(p.sample.policy == name for p in prepared))
