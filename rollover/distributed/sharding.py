@@ -100,9 +100,27 @@ def save_training_state(
     """Model and optimizer, each rank writing its own shards (`torch.distributed.checkpoint`);
     `load_training_state` reads them back on any number of ranks. `trainable_only`: the
     parameters that train (a LoRA adapter) and their optimizer state, not the frozen ones."""
+    _fill_adam_state(optimizer)
     model_state, optim_state, _ = _training_state(model, optimizer, trainable_only)
     with _one_process_is_intended():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
+
+
+def _fill_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """(AdamW's, the policy's optimizer.) Give every parameter that has not stepped yet (a policy none of whose steps has come)
+    AdamW's fresh state, as its first step would: a checkpoint holds every parameter's state,
+    or one with some missing could not be loaded (DCP loads into a full template). A fresh
+    optimizer (no state at all) is left to torch, which builds its state for the checkpoint."""
+    if not optimizer.state:
+        return
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if not optimizer.state[parameter]:
+                optimizer.state[parameter] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(parameter, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(parameter, memory_format=torch.preserve_format),
+                }
 
 
 def load_training_state(

@@ -3,7 +3,7 @@ the KL penalty verl subtracts from the reward first (`algorithm.use_kl_in_reward
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 
 import torch
 
@@ -65,3 +65,22 @@ def penalised_scores(rollouts: Sequence[RolloutScore], kl_sums: Mapping[str, flo
     (its token-level rewards summed, as verl's outcome estimators read them); a rollout with no
     samples keeps its reward."""
     return [r.reward - coef * kl_sums.get(r.rollout_id, 0.0) for r in rollouts]
+
+
+def policy_unit(rollout_id: str, policy: str | None) -> str:
+    """A rollout's share of one policy, as advantages and per-rollout divisors count it."""
+    return f"{rollout_id}\x00{policy}"
+
+
+def policy_units(
+    rollouts: Sequence[RolloutScore], policies: Sequence[str], present: Set[tuple[str, str | None]]
+) -> list[RolloutScore]:
+    """Several policies: each (rollout, policy) in `present` (it has samples of that policy) as
+    a rollout of its own in the group (group, policy), with the rollout's reward, so each
+    policy's advantages are normalised among its own rollouts."""
+    return [
+        RolloutScore(policy_unit(r.rollout_id, name), policy_unit(r.group_id, name), r.reward)
+        for r in rollouts
+        for name in policies
+        if (r.rollout_id, name) in present
+    ]

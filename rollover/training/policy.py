@@ -34,7 +34,7 @@ from rollover.distributed import sharding
 from rollover.distributed.world import World
 from rollover.metrics.progress import NullProgress, Progress
 from rollover.training import lora
-from rollover.training.advantages import compute_advantages, penalised_scores
+from rollover.training.advantages import compute_advantages, penalised_scores, policy_unit, policy_units
 from rollover.training.forward import Batching, per_sample_logprobs, rank_passes
 from rollover.training.logprobs import logprobs_and_entropy
 from rollover.training.loss.aggregate import (
@@ -197,7 +197,6 @@ class Policy:
     def save_training_state(self, directory: str | Path) -> None:
         """Model and optimizer, sharded (`torch.distributed.checkpoint`), loadable on any
         number of ranks; with LoRA the adapter and its optimizer state only."""
-        _fill_adam_state(self.optimizer)
         sharding.save_training_state(self.model, self.optimizer, Path(directory), trainable_only=self.lora)
 
     def load_training_state(self, directory: str | Path) -> None:
@@ -360,21 +359,14 @@ class Policy:
         return old
 
     def _units(self, prepared: Sequence[Prepared], rollouts: Sequence[RolloutScore]) -> list[RolloutScore]:
-        """What advantages are normalised over: the rollouts; with several policies each
-        (rollout, policy) with samples of that policy, in the group (group, policy), so each
-        policy's advantages are its own (`_unit` names them)."""
+        """What advantages are normalised over: the rollouts, or with several policies each
+        (rollout, policy) that has samples (`policy_units`)."""
         if not self.policies:
             return list(rollouts)
-        present = {(p.sample.rollout_id, p.sample.policy) for p in prepared}
-        return [
-            RolloutScore(_unit(r.rollout_id, name), _unit(r.group_id, name), r.reward)
-            for r in rollouts
-            for name in self.policies
-            if (r.rollout_id, name) in present
-        ]
+        return policy_units(rollouts, self.policies, {(p.sample.rollout_id, p.sample.policy) for p in prepared})
 
     def _unit_of(self, sample: Sample) -> str:
-        return _unit(sample.rollout_id, sample.policy) if self.policies else sample.rollout_id
+        return policy_unit(sample.rollout_id, sample.policy) if self.policies else sample.rollout_id
 
     def _batch_tensors(self, prepared: Sequence[Prepared]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The whole batch, padded: loss mask, π_old and μ (π_old where no logprobs were
@@ -420,8 +412,8 @@ class Policy:
         for p in prepared:
             p.sample.advantage = by_rollout.get(self._unit_of(p.sample), 0.0)
         for name in self.policies:
-            # The units named for this policy (`_unit`: the rollout id, then the policy's name).
-            rewards = [score for r, score in zip(rollouts, scores) if r.rollout_id.endswith(_unit("", name))]
+            # The units named for this policy (`policy_unit`: the rollout id, then the policy's).
+            rewards = [score for r, score in zip(rollouts, scores) if r.rollout_id.endswith(policy_unit("", name))]
             metrics[f"policy/{name}/reward_mean"] = sum(rewards) / max(len(rewards), 1)
             metrics[f"policy/{name}/n_samples"] = float(sum(p.sample.policy == name for p in prepared))
         token_advantages = [(p.sample.advantage, p.sample.num_target_tokens) for p in prepared]
@@ -601,25 +593,6 @@ class Policy:
             "actor/entropy": float(torch.where(on, entropy.detach(), 0.0).sum()),
         }
         return MicroBatchResult(loss, sums, shares)
-
-
-def _fill_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter that has not stepped yet (a policy none of whose steps has come)
-    AdamW's fresh state, as its first step would: a checkpoint holds every parameter's state,
-    or one with some missing could not be loaded (DCP loads into a full template)."""
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            if not optimizer.state[parameter]:
-                optimizer.state[parameter] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(parameter, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(parameter, memory_format=torch.preserve_format),
-                }
-
-
-def _unit(rollout_id: str, policy: str | None) -> str:
-    """A rollout's share of one policy, as advantages and per-rollout divisors count it."""
-    return f"{rollout_id}\x00{policy}"
 
 
 def _normalised(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
