@@ -149,11 +149,12 @@ def model_warmup(args: argparse.Namespace) -> int:
 def model_merge(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from rollover.engine import adapters
     from rollover.training import lora
 
     given = Path(args.checkpoint)
-    adapter = next((d for d in (given, given / "model") if lora.is_adapter(d)), None)
-    policies = {name: d for folder in (given, given / "model") for name, d in lora.policy_adapters(folder).items()}
+    adapter = next((d for d in (given, given / "model") if adapters.is_adapter(d)), None)
+    policies = {name: d for folder in (given, given / "model") for name, d in adapters.policy_adapters(folder).items()}
     if adapter is None and policies:  # a run of several policies: one is merged at a time
         if args.policy is None:
             raise UsageError(
@@ -165,7 +166,7 @@ def model_merge(args: argparse.Namespace) -> int:
     elif args.policy is not None:
         raise UsageError(f"{given} holds the adapter of a run with one policy: leave --policy out")
     if adapter is None:
-        raise UsageError(f"{given} holds no LoRA adapter (no {lora.ADAPTER_CONFIG} in it or in {given / 'model'})")
+        raise UsageError(f"{given} holds no LoRA adapter (no {adapters.ADAPTER_CONFIG} in it or in {given / 'model'})")
     try:
         print(lora.merge(adapter, args.out))
     except FileNotFoundError as exc:

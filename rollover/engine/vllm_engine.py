@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import httpx
 
+from rollover.engine.adapters import policy_adapters
 from rollover.engine.tool_calls import resolve_tool_call_parser
 from rollover.gateway.client import GatewayClient, GatewayError, NotFoundError, is_transient
 from rollover.processes import child_pids, free_port, port_taken, stop_supervised_group, tail_lines
@@ -515,9 +516,7 @@ class VLLMEngine:
         adir = Path(adapter_dir).absolute()
         if self._sleep_level > 0:
             await self.wake_up()
-        by_policy: dict[str, Path] = {}
-        if not (adir / "adapter_config.json").is_file():
-            by_policy = {d.name: d for d in sorted(adir.iterdir()) if (d / "adapter_config.json").is_file()}
+        by_policy = policy_adapters(adir)
         served = {policy: f"{policy}-v{version}" for policy in by_policy}
         name = next(iter(served.values()), f"{self.served_model_name}-v{version}")
         for lora_name, path in [(served[p], d) for p, d in by_policy.items()] or [(name, adir)]:

@@ -72,8 +72,8 @@ class EngineAdapterSync:
     """LoRA's weight sync: the policy's adapter alone (with several policies, a folder per
     policy), gathered and saved in PEFT's format under `adapters_root/v{version}`, and loaded
     by every engine at runtime under a new name per version (`VLLMEngine.load_adapter`, which
-    unloads the previous one). Only the
-    current version's folder is kept (an engine restarted by its watchdog loads it again)."""
+    unloads the previous one). Only the current version's folder is kept (an engine restarted
+    by its watchdog loads it again)."""
 
     def __init__(
         self, engines: Sequence[VLLMEngine], adapters_root: Path, locks: Sequence[asyncio.Lock] | None = None

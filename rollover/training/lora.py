@@ -27,9 +27,8 @@ import torch
 from rollover.config import ConfigError
 from rollover.config.actor_rollout_ref import ModelConfig
 from rollover.distributed import sharding
+from rollover.engine.adapters import ADAPTER_WEIGHTS
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 SINGLE = "default"  # PEFT's name for a model's only adapter
 
 
@@ -134,18 +133,6 @@ def write_adapter(state: Mapping[str, torch.Tensor], model: Any, directory: str 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def is_adapter(directory: str | Path) -> bool:
-    return (Path(directory) / ADAPTER_CONFIG).is_file()
-
-
-def policy_adapters(directory: str | Path) -> dict[str, Path]:
-    """A several-policy adapter folder's PEFT folders by policy ({} for a one-policy folder)."""
-    root = Path(directory)
-    if not root.is_dir() or is_adapter(root):
-        return {}
-    return {d.name: d for d in sorted(root.iterdir()) if d.is_dir() and is_adapter(d)}
 
 
 def merge(adapter_dir: str | Path, out_dir: str | Path) -> Path:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from rollover.config import load_config
+from rollover.engine import adapters
 from rollover.engine.vllm_engine import VLLMEngine
 from rollover.engine.weight_sync import EngineAdapterSync
 from rollover.gateway.keys import scoped_key
@@ -104,10 +105,10 @@ def test_only_the_adapter_moves_and_the_engine_serves_it(lora_engine, calc_model
     perturb_adapter(policy, seed=1)
     asyncio.run(sync.sync(policy, 1))
     written = tmp_path / "adapters" / "v1"
-    assert {p.name for p in written.iterdir()} == {lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS}
+    assert {p.name for p in written.iterdir()} == {adapters.ADAPTER_CONFIG, adapters.ADAPTER_WEIGHTS}
     from safetensors.torch import load_file
 
-    tensors = load_file(written / lora.ADAPTER_WEIGHTS)
+    tensors = load_file(written / adapters.ADAPTER_WEIGHTS)
     assert tensors and all("lora_" in name for name in tensors)  # no base weight is written
     assert sync.last_bytes < (calc_model / "model.safetensors").stat().st_size / 4
     assert lora_engine.adapter_name == "policy-v1" and lora_engine.policy_version == 1
@@ -191,11 +192,11 @@ def test_a_lora_run_trains_resumes_and_exports(lora_engine, calc_model, tmp_path
     assert [r["policy/version"] for r in train] == [0, 1]
     run = tmp_path / "lora"
     step_2 = run / "checkpoints" / "step_2" / "model"
-    assert {p.name for p in step_2.iterdir()} >= {lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS}
+    assert {p.name for p in step_2.iterdir()} >= {adapters.ADAPTER_CONFIG, adapters.ADAPTER_WEIGHTS}
     assert not (step_2 / "model.safetensors").exists()
     assert lora_engine.adapter_name == "policy-v2"
-    [adapters] = (run / "weights").iterdir()
-    assert [p.name for p in adapters.iterdir()] == ["v2"]  # only the served version is kept
+    [node_adapters] = (run / "weights").iterdir()
+    assert [p.name for p in node_adapters.iterdir()] == ["v2"]  # only the served version is kept
 
     train, _ = train_briefly(calc, tmp_path, calc_model, "lora", 3, *small, "resume=true", engine=lora_engine)
     assert train[-1]["policy/version"] == 2  # the resumed step starts from the saved version
@@ -238,7 +239,7 @@ async def test_two_policies_are_served_by_one_engine_and_picked_by_model(lora_en
         lora_engine.attach_gateway(gateway.url, ADMIN_KEY)
         try:
             await sync.sync(policy, 1)
-            assert set(lora.policy_adapters(tmp_path / "adapters" / "v1")) == {"planner", "solver"}
+            assert set(adapters.policy_adapters(tmp_path / "adapters" / "v1")) == {"planner", "solver"}
             assert lora_engine.policies == {"planner": "planner-v1", "solver": "solver-v1"}
             assert served(lora_engine) >= {"planner-v1", "solver-v1"}
             planner, solver = greedy(lora_engine, "planner-v1"), greedy(lora_engine, "solver-v1")
@@ -295,6 +296,6 @@ def test_the_two_role_example_trains_each_role_on_its_own_calls(lora_engine, cal
     assert calls and all(roles_[0] == "planner" and set(roles_[1:]) <= {"solver"} for roles_ in calls.values())
     assert any(len(roles_) > 1 for roles_ in calls.values())  # the solver answered too
     checkpoint = run / "checkpoints" / "step_2"
-    assert set(lora.policy_adapters(checkpoint / "model")) == {"planner", "solver"}
+    assert set(adapters.policy_adapters(checkpoint / "model")) == {"planner", "solver"}
     assert lora_engine.policies == {"planner": "planner-v2", "solver": "solver-v2"}
     assert main(["model", "merge", str(checkpoint), "--policy", "planner", "--out", str(tmp_path / "planner")]) == 0
