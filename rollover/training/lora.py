@@ -90,9 +90,14 @@ def activate(model: Any, name: str) -> None:
             parameter.requires_grad_(True)
 
 
+def named_adapter_parameters(model: torch.nn.Module, name: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """The trainable parameters of adapter `name`, by name (PEFT names them
+    `...lora_A.<name>.weight`): not the frozen base, not the other adapters."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and f".{name}." in n]
+
+
 def adapter_parameters(model: torch.nn.Module, name: str) -> list[torch.nn.Parameter]:
-    """The trainable parameters of adapter `name` (PEFT names them `...lora_A.<name>.weight`)."""
-    return [p for n, p in model.named_parameters() if p.requires_grad and f".{name}." in n and "lora_" in n]
+    return [p for _, p in named_adapter_parameters(model, name)]
 
 
 def adapter_state_dict(model: torch.nn.Module, *, keep: bool, name: str = SINGLE) -> dict[str, torch.Tensor]:
@@ -101,9 +106,7 @@ def adapter_state_dict(model: torch.nn.Module, *, keep: bool, name: str = SINGLE
     from peft import get_peft_model_state_dict
 
     gathered: dict[str, torch.Tensor] = {}
-    for parameter_name, parameter in model.named_parameters():
-        if not parameter.requires_grad or f".{name}." not in parameter_name:  # the frozen base, other adapters
-            continue
+    for parameter_name, parameter in named_adapter_parameters(model, name):
         whole = sharding.full_tensor(parameter.detach())
         if keep:
             gathered[parameter_name] = whole.to("cpu", copy=True)
