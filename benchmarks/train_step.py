@@ -147,9 +147,8 @@ def format_report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", default="1,2", help="rank counts to compare, e.g. 1,2,4,8")
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and synthetic batch one update runs on (shared with `update_cost`)."""
     parser.add_argument("--model", default="tiny", help="tiny (built locally) or a Hugging Face model folder")
     parser.add_argument("--hidden", type=int, default=256, help="tiny model's hidden size")
     parser.add_argument("--layers", type=int, default=4, help="tiny model's layers")
@@ -157,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=256, help="mean sample length in tokens")
     parser.add_argument("--micro", type=int, default=8, help="ppo_micro_batch_size")
     parser.add_argument("--repeats", type=int, default=3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="1,2", help="rank counts to compare, e.g. 1,2,4,8")
+    add_workload_arguments(parser)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line too")
     parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.train_step import build_tiny, synthetic_batch
+from benchmarks.train_step import add_workload_arguments, build_tiny, synthetic_batch
 
 VARIANTS = {
     "recomputed π_old": [],
@@ -133,13 +133,7 @@ def format_report(results: list[Measured], memory: dict[str, int], tokens: int) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="tiny (built locally) or a Hugging Face model folder")
-    parser.add_argument("--hidden", type=int, default=256, help="tiny model's hidden size")
-    parser.add_argument("--layers", type=int, default=4, help="tiny model's layers")
-    parser.add_argument("--samples", type=int, default=32)
-    parser.add_argument("--length", type=int, default=256, help="mean sample length in tokens")
-    parser.add_argument("--micro", type=int, default=8, help="ppo_micro_batch_size")
-    parser.add_argument("--repeats", type=int, default=3)
+    add_workload_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line too")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
