@@ -4,49 +4,22 @@ number of ranks."""
 
 from __future__ import annotations
 
-import os
-import pickle
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.distributed.test_update_ranks import ROOT, model_dir, relative_difference, uneven_samples
+from tests.distributed import lora_worker
+from tests.distributed.test_update_ranks import launch, model_dir, on_one_and_two_ranks, relative_difference
 
 pytestmark = pytest.mark.slow  # launches of real ranks, ~10 s each
 
-WORKER = Path(__file__).with_name("lora_worker.py")
 __all__ = ["model_dir"]  # the tiny policy folder, shared with test_update_ranks
-
-
-def launch(n_ranks: int, *args: str | Path) -> None:
-    if n_ranks == 1:
-        from tests.distributed import lora_worker
-
-        lora_worker.main(*map(str, args))
-        return
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n_ranks}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [*command, str(WORKER), *map(str, args)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
 
 
 @pytest.fixture(scope="module")
 def lora_updates(model_dir, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    vocab = len(AutoTokenizer.from_pretrained(model_dir))
-    folders = {}
-    for n_ranks in (1, 2):
-        work = tmp_path_factory.mktemp(f"lora-update-{n_ranks}")
-        (work / "samples.pkl").write_bytes(pickle.dumps((uneven_samples(vocab), 7)))
-        launch(n_ranks, model_dir, work, "update")
-        folders[n_ranks] = work
-    return folders
+    return on_one_and_two_ranks(
+        model_dir, lambda n: tmp_path_factory.mktemp(f"lora-update-{n}"), "update", worker=lora_worker
+    )
 
 
 def adapter_only(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -79,7 +52,7 @@ def test_two_ranks_take_the_adapter_step_one_rank_takes(lora_updates, model_dir)
 def test_the_adapter_checkpoint_resumes_on_another_number_of_ranks(
     lora_updates, model_dir, tmp_path, saved_on, loaded_on
 ):
-    launch(loaded_on, model_dir, tmp_path, "load", lora_updates[saved_on] / "state")
+    launch(loaded_on, model_dir, tmp_path, "load", lora_updates[saved_on] / "state", worker=lora_worker)
     saved, loaded = (torch.load(d / "weights.pt") for d in (lora_updates[saved_on], tmp_path))
     assert relative_difference(adapter_only(saved), adapter_only(loaded)) < 1e-6
     moments, saved_moments = (torch.load(d / "exp_avg.pt") for d in (tmp_path, lora_updates[saved_on]))
@@ -88,19 +61,15 @@ def test_the_adapter_checkpoint_resumes_on_another_number_of_ranks(
     assert all(m.abs().sum() > 0 for m in moments.values()), "the optimizer state came back"
 
 
-def test_two_policies_on_two_ranks_take_the_steps_one_rank_takes(model_dir, tmp_path):
+def test_two_policies_on_two_ranks_take_the_steps_one_rank_takes(model_dir, tmp_path_factory):
     """Each optimizer step moves one policy's adapter; on 2 ranks FSDP2 gets no gradient for the
     other adapter's shards, and the steps still equal one rank's."""
-    from transformers import AutoTokenizer
-
-    vocab = len(AutoTokenizer.from_pretrained(model_dir))
-    for n_ranks in (1, 2):
-        (tmp_path / str(n_ranks)).mkdir()
-        (tmp_path / str(n_ranks) / "samples.pkl").write_bytes(pickle.dumps((uneven_samples(vocab), 7)))
-        launch(n_ranks, model_dir, tmp_path / str(n_ranks), "roles")
-    one, two = (torch.load(tmp_path / str(n) / "weights.pt") for n in (1, 2))
+    folders = on_one_and_two_ranks(
+        model_dir, lambda n: tmp_path_factory.mktemp(f"roles-{n}"), "roles", worker=lora_worker
+    )
+    one, two = (torch.load(folders[n] / "weights.pt") for n in (1, 2))
     for name in ("planner", "solver"):
         adapter = {k: v for k, v in adapter_only(one).items() if f".{name}." in k}
         assert adapter and max(float(v.abs().max()) for k, v in adapter.items() if "lora_B" in k) > 1e-4, name
         assert relative_difference(adapter, {k: two[k] for k in adapter}) < 1e-4, name
-    assert {p.name for p in (tmp_path / "2" / "adapter").iterdir()} == {"planner", "solver"}
+    assert {p.name for p in (folders[2] / "adapter").iterdir()} == {"planner", "solver"}

@@ -10,17 +10,19 @@ import pickle
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 from rollover.distributed.split import balanced_split
 from rollover.training.samples import RolloutScore, Sample, UpdateBatch
+from tests.distributed import update_worker
 
 pytestmark = pytest.mark.slow  # two launches of real ranks, ~10 s each
 
-WORKER = Path(__file__).with_name("update_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -63,20 +65,42 @@ def uneven_samples(vocab: int) -> UpdateBatch:
     return UpdateBatch(samples, rollouts)
 
 
-def launch(n_ranks: int, *args: str | Path) -> None:
-    """`update_worker.main(*args)` on `n_ranks` ranks; one rank runs here, in this process
-    (no launcher, no process group: the single-process run's code path)."""
+def launch(n_ranks: int, *args: str | Path, worker: ModuleType = update_worker) -> None:
+    """`worker.main(*args)` (`update_worker` unless given) on `n_ranks` ranks; one rank runs
+    here, in this process (no launcher, no process group: the single-process run's code path)."""
     if n_ranks == 1:
-        from tests.distributed import update_worker
-
-        update_worker.main(*map(str, args))
+        worker.main(*map(str, args))
         return
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n_ranks}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
-        [*command, str(WORKER), *map(str, args)], env=env, capture_output=True, text=True, timeout=300
+        [*command, str(worker.__file__), *map(str, args)], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def on_one_and_two_ranks(
+    model_dir: Path,
+    make_dir: Callable[[int], Path],
+    action: str,
+    *,
+    worker: ModuleType = update_worker,
+    files: dict[str, str] | None = None,
+) -> dict[int, Path]:
+    """`action` of `worker` on 1 rank and on 2, each in its own work folder (`make_dir(n)`)
+    holding `uneven_samples` (shuffled with seed 7) and `files`: the folders by rank count."""
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    folders = {}
+    for n_ranks in (1, 2):
+        work = make_dir(n_ranks)
+        (work / "samples.pkl").write_bytes(pickle.dumps((uneven_samples(vocab), 7)))
+        for name, text in (files or {}).items():
+            (work / name).write_text(text)
+        launch(n_ranks, model_dir, work, action, worker=worker)
+        folders[n_ranks] = work
+    return folders
 
 
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -87,16 +111,7 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 @pytest.fixture(scope="module")
 def updates(model_dir, tmp_path_factory):
     """The same update on 1 rank and on 2 ranks: their work folders."""
-    from transformers import AutoTokenizer
-
-    vocab = len(AutoTokenizer.from_pretrained(model_dir))
-    folders = {}
-    for n_ranks in (1, 2):
-        work = tmp_path_factory.mktemp(f"update-{n_ranks}")
-        (work / "samples.pkl").write_bytes(pickle.dumps((uneven_samples(vocab), 7)))
-        launch(n_ranks, model_dir, work, "update")
-        folders[n_ranks] = work
-    return folders
+    return on_one_and_two_ranks(model_dir, lambda n: tmp_path_factory.mktemp(f"update-{n}"), "update")
 
 
 def test_two_ranks_take_the_step_one_rank_takes(updates, model_dir):
@@ -151,17 +166,8 @@ def mode_updates(model_dir, tmp_path_factory):
     """Each mode's update on 1 rank and on 2 ranks (one launch each): their work folders."""
     import json
 
-    from transformers import AutoTokenizer
-
-    vocab = len(AutoTokenizer.from_pretrained(model_dir))
-    folders = {}
-    for n_ranks in (1, 2):
-        work = tmp_path_factory.mktemp(f"modes-{n_ranks}")
-        (work / "samples.pkl").write_bytes(pickle.dumps((uneven_samples(vocab), 7)))
-        (work / "modes.json").write_text(json.dumps(list(MODES.items())))
-        launch(n_ranks, model_dir, work, "modes")
-        folders[n_ranks] = work
-    return folders
+    modes = {"modes.json": json.dumps(list(MODES.items()))}
+    return on_one_and_two_ranks(model_dir, lambda n: tmp_path_factory.mktemp(f"modes-{n}"), "modes", files=modes)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
