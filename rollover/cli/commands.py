@@ -149,8 +149,7 @@ def model_warmup(args: argparse.Namespace) -> int:
 def model_merge(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rollover.engine import adapters
-    from rollover.training import lora
+    from rollover.training import adapters, lora
 
     given = Path(args.checkpoint)
     adapter = next((d for d in (given, given / "model") if adapters.is_adapter(d)), None)

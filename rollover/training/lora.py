@@ -27,7 +27,7 @@ import torch
 from rollover.config import ConfigError
 from rollover.config.actor_rollout_ref import ModelConfig
 from rollover.distributed import sharding
-from rollover.engine.adapters import ADAPTER_WEIGHTS
+from rollover.training.adapters import ADAPTER_WEIGHTS
 
 SINGLE = "default"  # PEFT's name for a model's only adapter
 

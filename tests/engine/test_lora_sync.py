@@ -16,13 +16,12 @@ import pytest
 import torch
 
 from rollover.config import load_config
-from rollover.engine import adapters
 from rollover.engine.vllm_engine import VLLMEngine
 from rollover.engine.weight_sync import EngineAdapterSync
 from rollover.gateway.keys import scoped_key
 from rollover.gateway.server import GatewayThread
 from rollover.testing.engine import start_test_engine
-from rollover.training import lora
+from rollover.training import adapters, lora
 from rollover.training.policy import Policy
 from tests.conftest import ADMIN_KEY
 from tests.engine.test_token_fidelity import PROMPTS

@@ -12,7 +12,7 @@ import torch
 
 from rollover.cli.main import main
 from rollover.config import ConfigError, load_config
-from rollover.engine import adapters
+from rollover.training import adapters
 from rollover.training.policy import Policy
 from rollover.training.samples import RolloutScore, Sample, UpdateBatch
 from tests.distributed.test_update_ranks import model_dir

@@ -12,8 +12,7 @@ import torch
 
 from rollover.cli.main import main
 from rollover.config import ConfigError, load_config
-from rollover.engine import adapters
-from rollover.training import lora
+from rollover.training import adapters, lora
 from rollover.training.policy import Policy
 from rollover.training.samples import RolloutScore, UpdateBatch
 from tests.training.test_lora import BASE, LORA, base_model, batch, logprobs, model_dir
