@@ -1,5 +1,7 @@
 """The agent env contract: the AGL_* variables every agent gets, plus the `env_map` entries
-read from its rollout's input (SPEC §3)."""
+read from its rollout's input (SPEC §3), and the standard variables through which unchanged
+harnesses (the OpenAI and Anthropic SDKs, the Agents SDK, Claude Code, Codex) find the
+attempt's proxy by themselves."""
 
 from __future__ import annotations
 
@@ -66,3 +68,33 @@ def agent_env(
                 permanent=True,
             ) from None
     return env
+
+
+# Harnesses that phone home (telemetry, update checks, error reports, traces) would try the
+# network on every start: off in an agent's environment unless the user's own env says otherwise.
+QUIET_HARNESS_ENV = {
+    "DISABLE_TELEMETRY": "1",  # Claude Code
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",  # Claude Code: updates, error reports, ...
+    "DISABLE_AUTOUPDATER": "1",  # Claude Code
+    "OPENAI_AGENTS_DISABLE_TRACING": "1",  # the Agents SDK exports traces to api.openai.com
+    "CODEX_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    "OTEL_SDK_DISABLED": "true",
+}
+
+
+def harness_env(contract: dict[str, str]) -> dict[str, str]:
+    """The standard variables, from an agent's `contract` (`agent_env`'s answer):
+    `OPENAI_BASE_URL` (the attempt's `.../openai/v1`, read by the OpenAI SDK, the Agents SDK and
+    Codex), `ANTHROPIC_BASE_URL` (its `.../anthropic`, read by the Anthropic SDK, the Claude Agent
+    SDK and Claude Code, which append `/v1/messages`), both keys the attempt's key, and the
+    harnesses' non-essential traffic off."""
+    openai_url = contract["AGL_OPENAI_BASE_URL"]
+    attempt_url = openai_url.removesuffix("/openai/v1")
+    key = contract["AGL_KEY"]
+    return {
+        "OPENAI_BASE_URL": openai_url,
+        "OPENAI_API_KEY": key,
+        "ANTHROPIC_BASE_URL": attempt_url + "/anthropic",
+        "ANTHROPIC_API_KEY": key,
+        **QUIET_HARNESS_ENV,
+    }

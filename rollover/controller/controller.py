@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import httpx
 
 from rollover.config import AgentLightningConfig, LocalRunnerConfig, RolloverConfig
-from rollover.controller.agent_env import agent_env
+from rollover.controller.agent_env import agent_env, harness_env
 from rollover.controller.runner import Execution, LaunchError, LaunchSpec, Outcome, Runner
 from rollover.gateway.client import ConflictError, GatewayClient, NotFoundError, is_transient
 from rollover.retry import RetryPolicy, call_with_retries
@@ -356,7 +356,11 @@ class Controller:
         public_url = self.config.k8s.gateway_url if self.config.runner == "k8s" else None
         env = agent_env(self.client, rollout, attempt.attempt_id, env_map, public_url)
         return LaunchSpec(
-            rollout=rollout, attempt_id=attempt.attempt_id, env=env, timeout_seconds=attempt.timeout_seconds
+            rollout=rollout,
+            attempt_id=attempt.attempt_id,
+            env=env,
+            timeout_seconds=attempt.timeout_seconds,
+            defaults=harness_env(env),
         )
 
     async def _run_attempt(self, attempt: _Attempt) -> None:

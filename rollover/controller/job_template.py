@@ -160,9 +160,13 @@ class JobTemplate:
             raise LaunchError(f"Job template {self.source}: {exc}", permanent=True) from None
 
 
-def _inject_env(container: dict[str, Any], env: dict[str, str]) -> None:
+def _inject_env(container: dict[str, Any], env: dict[str, str], defaults: dict[str, str]) -> None:
+    """`env` replaces the container's own variables of the same names; `defaults` are added only
+    where the container sets no such variable (the template's own value wins)."""
     kept = [e for e in container.get("env") or [] if not (isinstance(e, dict) and e.get("name") in env)]
-    container["env"] = kept + [{"name": name, "value": value} for name, value in env.items()]
+    own = {e.get("name") for e in kept if isinstance(e, dict)}
+    added = {name: value for name, value in defaults.items() if name not in own and name not in env}
+    container["env"] = kept + [{"name": name, "value": value} for name, value in {**added, **env}.items()]
 
 
 def build_job(
@@ -175,6 +179,7 @@ def build_job(
     env: dict[str, str],
     ttl_seconds: int,
     deadline_seconds: int,
+    defaults: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The rendered manifest plus the fields the controller relies on."""
     job = copy.deepcopy(manifest)
@@ -202,5 +207,5 @@ def build_job(
     pod_spec["restartPolicy"] = "Never"
     for key in ("initContainers", "containers"):
         for container in pod_spec.get(key) or []:
-            _inject_env(container, env)
+            _inject_env(container, env, defaults or {})
     return job

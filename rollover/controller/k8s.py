@@ -222,6 +222,7 @@ class K8sRunner:
             rollout_id=rollout.rollout_id,
             attempt_id=spec.attempt_id,
             env=spec.env,
+            defaults=spec.defaults,
             ttl_seconds=self.config.ttl_seconds_after_finished,
             deadline_seconds=max(1, math.ceil(spec.timeout_seconds)),
         )

@@ -143,6 +143,7 @@ class LocalRunner:
 
     def _child_env(self, spec: LaunchSpec) -> dict[str, str]:
         env = dict(os.environ)
+        env.update(spec.defaults)
         env.update(self.config.env)
         env.update(spec.env)
         paths = [str(self.cwd)]

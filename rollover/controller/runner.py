@@ -3,7 +3,7 @@ protocols a runner (local processes, Kubernetes Jobs) implements."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from rollover.config import ConfigError
@@ -33,10 +33,15 @@ class Outcome:
 
 @dataclass(frozen=True)
 class LaunchSpec:
+    """One attempt to launch. `env` is the agent env contract (it wins over everything);
+    `defaults` are the standard variables unchanged harnesses read (`harness_env`), below the
+    user's own variables (`local.env`, a Job template's container env)."""
+
     rollout: Rollout
     attempt_id: str
     env: dict[str, str]
     timeout_seconds: float
+    defaults: dict[str, str] = field(default_factory=dict)
 
     @property
     def rollout_id(self) -> str:

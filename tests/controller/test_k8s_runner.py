@@ -20,6 +20,7 @@ import yaml
 from kubernetes_asyncio import client as k8s_client
 
 from rollover.controller import Controller, ControllerConfigError
+from rollover.controller.agent_env import QUIET_HARNESS_ENV
 from rollover.controller.job_template import job_name_for, label_value, yaml_escape
 from rollover.controller.k8s import TokenBucket
 from rollover.gateway.client import GatewayClient
@@ -57,6 +58,8 @@ spec:
               value: stale
             - name: KEEP
               value: kept
+            - name: DISABLE_TELEMETRY
+              value: "0"
 """
 
 
@@ -183,8 +186,19 @@ async def test_job_manifest_is_the_template_plus_forced_fields(
             "rollover.dev/attempt-id": "a1",
             "app.kubernetes.io/managed-by": "rollover",
         }
+        proxy = f"{POD_GATEWAY}/proxy/rollout/{rollout_id}/attempt/a1/mode/train"
+        key = client.scoped_key(rollout_id, "a1")
+        # The standard variables harnesses read, where the template sets none of its own.
+        standard = {
+            "OPENAI_BASE_URL": proxy + "/openai/v1",
+            "OPENAI_API_KEY": key,
+            "ANTHROPIC_BASE_URL": proxy + "/anthropic",
+            "ANTHROPIC_API_KEY": key,
+        } | QUIET_HARNESS_ENV
         env = [
             {"name": "KEEP", "value": "kept"},
+            {"name": "DISABLE_TELEMETRY", "value": "0"},
+            *({"name": k, "value": v} for k, v in standard.items() if k != "DISABLE_TELEMETRY"),
             {
                 "name": "AGL_OPENAI_BASE_URL",
                 "value": f"{POD_GATEWAY}/proxy/rollout/{rollout_id}/attempt/a1/mode/train/openai/v1",
@@ -195,6 +209,7 @@ async def test_job_manifest_is_the_template_plus_forced_fields(
             {"name": "AGL_ATTEMPT_ID", "value": "a1"},
             {"name": "AGL_ROLLOUT_INPUT", "value": json.dumps({"question": question})},
         ]
+        init_env = [{"name": k, "value": v} for k, v in standard.items()] + env[2 + len(standard) - 1 :]
         expected = {
             "apiVersion": "batch/v1",
             "kind": "Job",
@@ -207,7 +222,7 @@ async def test_job_manifest_is_the_template_plus_forced_fields(
                     "metadata": {"annotations": {"question": question}, "labels": labels},
                     "spec": {
                         "restartPolicy": "Never",
-                        "initContainers": [{"name": "init", "image": "busybox", "env": env[1:]}],
+                        "initContainers": [{"name": "init", "image": "busybox", "env": init_env}],
                         "containers": [
                             {
                                 "name": "agent",

@@ -220,9 +220,12 @@ async def test_env_contract_and_env_map(
     client: GatewayClient, tmp_path: Path, gateway: GatewayThread, controller: Any
 ) -> None:
     env_map = {"QUESTION": "input.question", "META": "input.meta", "FIRST": "input.items.0", "COUNT": "input.n"}
-    extra = [*env_map, "RUN_SETTING"]
-    # `env` is for every agent; it cannot replace the contract's own variables
-    local = {"env_map": env_map, "env": {"RUN_SETTING": "on", "AGL_KEY": "forged", "QUESTION": "lost"}}
+    standard = ["OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "DISABLE_TELEMETRY"]
+    extra = [*env_map, "RUN_SETTING", *standard, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"]
+    # `env` is for every agent; it cannot replace the contract's own variables, and it wins over
+    # the standard variables harnesses read
+    own = {"RUN_SETTING": "on", "AGL_KEY": "forged", "QUESTION": "lost", "DISABLE_TELEMETRY": "0"}
+    local = {"env_map": env_map, "env": own}
     async with controller(client, tmp_path, "EnvAgent", local=local, max_attempts=3):
         input = {"question": "2+2?", "meta": {"a": [1, 2]}, "items": ["x", "y"], "n": 4, "extra": extra}
         train_id = await enqueue(client, "env", input)
@@ -243,8 +246,14 @@ async def test_env_contract_and_env_map(
     assert env["RUN_SETTING"] == "on"
     assert json.loads(env["META"]) == {"a": [1, 2]}
     assert env["cwd"] == os.getcwd()
+    # Unchanged harnesses find the attempt's proxy through the standard variables.
+    proxy = f"{gateway.url}/proxy/rollout/{train_id}/attempt/a1/mode/train"
+    assert env["OPENAI_BASE_URL"] == proxy + "/openai/v1" and env["ANTHROPIC_BASE_URL"] == proxy + "/anthropic"
+    assert env["OPENAI_API_KEY"] == env["ANTHROPIC_API_KEY"] == env["AGL_KEY"]
+    assert env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1" and env["DISABLE_TELEMETRY"] == "0"
     [val_event] = await client.events(val_id, event_type="env")
     assert "/mode/val/" in val_event.data["AGL_OPENAI_BASE_URL"]
+    assert val_event.data["ANTHROPIC_BASE_URL"].endswith("/mode/val/anthropic")
     # A path the input lacks fails the rollout at once: another attempt would fail the same way.
     assert missing.state == RolloutState.FAILED
     assert "input.question" in (missing.status.error_message or "")
