@@ -17,6 +17,7 @@ from starlette.routing import Route
 from rollover import codec
 from rollover.config import GatewaySettings
 from rollover.gateway import auth
+from rollover.gateway.admission import check_attempt, check_writer, enter, json_body, json_object
 from rollover.gateway.asgi import (
     BodyLimitMiddleware,
     GatewayApp,
@@ -24,9 +25,16 @@ from rollover.gateway.asgi import (
     error_response,
     json_response,
 )
-from rollover.gateway.proxy import ENDPOINTS, ProxyCall, UpstreamError
+from rollover.gateway.calls import ProxyCall, UpstreamError
+from rollover.gateway.proxy import ENDPOINTS
 from rollover.gateway.relay import forward_unless_disconnected, relay_stream
 from rollover.gateway.state import GatewayState
+from rollover.gateway.translated import (
+    ANTHROPIC_COUNT_TOKENS_PATH,
+    ANTHROPIC_MESSAGES_PATH,
+    RESPONSES_PATH,
+    TranslatedRoutes,
+)
 from rollover.store.models import (
     MAX_INT64,
     PROXY_EVENT_TYPES,
@@ -51,24 +59,7 @@ EVENTS_PATH = "/api/rollouts/{rollout_id}/attempt/{attempt_id}/events"
 
 
 async def _json_body(request: Request) -> Any:
-    """The body as JSON whatever the Content-Type says (agents and curl are not always careful)."""
-    raw = await request.body()
-    depth = request.app.state.gateway.settings.gateway.max_json_depth
-    try:
-        return codec.loads(raw, max_depth=depth)
-    except codec.JSONCodecError as exc:
-        raise HTTPException(
-            400,
-            f"body refused: {exc}. Send standard JSON: no NaN or Infinity, no lone surrogates,"
-            f" at most {depth} levels deep (gateway.max_json_depth)",
-        ) from None
-
-
-async def _json_object(request: Request) -> dict[str, Any]:
-    body = await _json_body(request)
-    if not isinstance(body, dict):
-        raise HTTPException(400, "body must be a JSON object")
-    return body
+    return await json_body(request, request.app.state.gateway.settings.gateway.max_json_depth)
 
 
 async def _parse(request: Request, adapter: TypeAdapter[T], empty: T | None = None) -> T:
@@ -246,7 +237,8 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
 
     def with_counts(proxy_state: ProxyState) -> dict[str, Any]:
         """The pause state and partial rollout's counts (`Boundaries.counts`)."""
-        return proxy_state.model_copy(update=state.forwarder.boundaries.counts()).model_dump()
+        counts = state.forwarder.boundaries.counts() | {"unhonoured_fields_total": dict(state.unhonoured)}
+        return proxy_state.model_copy(update=counts).model_dump()
 
     @app.post("/proxy/pause", dependencies=admin_only)
     async def pause(request: Request) -> dict[str, Any]:
@@ -281,29 +273,16 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
 
     async def proxy(request: Request) -> Response:
         params = request.path_params
-        rollout_id, attempt_id, mode, endpoint = (params[k] for k in ("rollout_id", "attempt_id", "mode", "endpoint"))
-        auth.require_attempt_writer(request, rollout_id, attempt_id)
-        if mode not in ("train", "val"):
-            raise RequestValidationError([{"loc": ("path", "mode"), "msg": "Input should be 'train' or 'val'"}])
+        rollout_id, attempt_id, endpoint = (params[k] for k in ("rollout_id", "attempt_id", "endpoint"))
+        mode = check_writer(request, rollout_id, attempt_id, params["mode"])
         if endpoint not in ENDPOINTS:
-            raise HTTPException(404, f"the proxy serves {', '.join(ENDPOINTS)}, not {endpoint!r}")
-        body = await _json_object(request)
-        rollout = store.snapshot(rollout_id)  # in memory: no round trip to the store thread
-        if rollout.state.terminal:
-            raise HTTPException(409, f"rollout {rollout_id} is already {rollout.state.value}")
-        if attempt_id not in rollout.attempts:
-            raise HTTPException(404, f"rollout {rollout_id} has no attempt {attempt_id}")
-        gateway = state.settings.gateway
-        refused = await state.pause.try_enter(gateway.max_hold_seconds if gateway.hold_while_paused else 0.0)
+            served = ", ".join([*ENDPOINTS, "responses"])
+            raise HTTPException(404, f"the proxy serves {served}, not {endpoint!r}")
+        body = await json_object(request, settings.gateway.max_json_depth)
+        check_attempt(state, rollout_id, attempt_id)
+        refused = await enter(state)
         if refused is not None:
-            paused, (seconds, retry_after_ms) = refused
-            headers = {
-                "Retry-After": str(int(seconds)) if float(seconds).is_integer() else str(seconds),
-                "X-Agl-Paused": "true",
-            }
-            if retry_after_ms is not None:
-                headers["retry-after-ms"] = str(retry_after_ms)
-            return JSONResponse({"error": "gateway paused", "reason": paused.reason}, status_code=429, headers=headers)
+            return JSONResponse({"error": "gateway paused", "reason": refused.reason}, 429, headers=refused.headers)
         call = ProxyCall(rollout_id, attempt_id, mode, endpoint, body)
         if body.get("stream") is True:
             return await relay_stream(state.forwarder, call, state.pause.leave)
@@ -318,7 +297,15 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
     # The calls every agent makes skip FastAPI's middleware, router and per-request machinery
     # (parameter solving, response encoding): see GatewayApp. The app's exception handlers
     # still answer their errors.
-    for path, endpoint in ((PROXY_CALL_PATH, proxy), (EVENTS_PATH, add_event)):
+    translated = TranslatedRoutes(state)
+    hot = (
+        (ANTHROPIC_COUNT_TOKENS_PATH, translated.anthropic_count_tokens),
+        (ANTHROPIC_MESSAGES_PATH, translated.anthropic_messages),
+        (RESPONSES_PATH, translated.responses),  # before the chat route's path, which would match it
+        (PROXY_CALL_PATH, proxy),
+        (EVENTS_PATH, add_event),
+    )
+    for path, endpoint in hot:
         app.serve_first(path, endpoint, settings.gateway.max_body_bytes)
         app.router.routes.insert(0, Route(path, endpoint, methods=["POST"], include_in_schema=False))
     # The controller's batches of new rollouts too (the route above stays, for the schema).

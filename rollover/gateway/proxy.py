@@ -9,34 +9,23 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from rollover import codec
 from rollover.config import GatewaySettings
 from rollover.gateway.boundaries import Boundaries
+from rollover.gateway.calls import Call, Mode, ProxyCall, Sent, UpstreamError, parsed, read_whole
 from rollover.gateway.registry import ModelRegistry
-from rollover.gateway.streaming import StreamAssembler
+from rollover.gateway.streamed import StreamedCall
+from rollover.gateway.streaming import StreamTranslator
 from rollover.gateway.upstream import ConnectFailed, UpstreamIOError, UpstreamPool, UpstreamResponse, UpstreamTimeout
 from rollover.retry import RetryPolicy, call_with_retries
 from rollover.store.models import ModelEndpoint
 from rollover.store.sqlite import InvalidValue, RolloutStore
 
-Mode = Literal["train", "val"]
 ENDPOINTS = ("chat/completions", "completions")
 log = logging.getLogger("rollover.gateway.proxy")
 RETRY_BACKOFF_SECONDS = 0.5  # first pause between upstream retries; doubles each retry
-
-
-@dataclass(frozen=True)
-class ProxyCall:
-    """One agent call as the proxy got it: whose it is, the mode, the OpenAI endpoint and body."""
-
-    rollout_id: str
-    attempt_id: str
-    mode: Mode
-    endpoint: str
-    body: dict[str, Any]
 
 
 class _RetryableUpstream(Exception):
@@ -50,16 +39,6 @@ class _RetryableUpstream(Exception):
 
 class _Unreachable(_RetryableUpstream):
     """The engine could not be connected to: nothing listens there (it died, or is restarting)."""
-
-
-class UpstreamError(Exception):
-    """A call that ends in an HTTP error for the agent: `{"error": error, "reason": reason}`."""
-
-    def __init__(self, status_code: int, reason: str, error: str = "upstream error") -> None:
-        super().__init__(reason)
-        self.status_code = status_code
-        self.reason = reason
-        self.error = error
 
 
 def served_model(target: ModelEndpoint, requested: Any) -> tuple[str, str | None]:
@@ -208,7 +187,7 @@ class Forwarder:
             raise _RetryableUpstream(502, f"upstream returned {response.status}: {text}")
         return response
 
-    async def _post_live(self, call: ProxyCall) -> _Sent:
+    async def _post_live(self, call: ProxyCall) -> Sent:
         """One try on the endpoint the rollout's hashing picks among the live ones, asked for the
         policy the call names when it serves several (`served_model`). One that
         cannot be connected to (its engine is down) is taken out of rotation, persisted, and
@@ -234,7 +213,7 @@ class Forwarder:
                 )
             try:
                 response = await self._post(f"{target.endpoint.rstrip('/')}/{call.endpoint}", payload)
-                return _Sent(target, response, model, policy)
+                return Sent(target, response, model, policy)
             except _Unreachable as exc:
                 last = exc
                 if self.registry.take_out(target):
@@ -246,7 +225,7 @@ class Forwarder:
         assert last is not None
         raise last
 
-    async def _send_with_retries(self, call: ProxyCall) -> _Sent:
+    async def _send_with_retries(self, call: ProxyCall) -> Sent:
         """`_post_live`, retried `gateway.upstream_retries` times. The first try goes without
         the retry machinery (27 us a call, measured): this is every agent call's path."""
         attempts = self.settings.gateway.upstream_retries + 1
@@ -273,7 +252,7 @@ class Forwarder:
             raise UpstreamError(exc.status, f"{exc.reason} (after {attempts} attempts)") from None
 
     @asynccontextmanager
-    async def open(self, call: ProxyCall) -> AsyncIterator[_Sent]:
+    async def open(self, call: ProxyCall) -> AsyncIterator[Sent]:
         """The endpoint that answered and its response, once its status says it will not be
         retried, body unread: a caller reads it whole (`forward`) or relays it as it streams.
         Leaving early (the agent hung up) closes the connection, which is how the engine
@@ -295,10 +274,10 @@ class Forwarder:
             return await self._forward_streamed(call)
         started = time.monotonic()
         async with self.open(call) as sent:
-            raw = await _read_whole(sent.response)
+            raw = await read_whole(sent.response)
             status_code = sent.response.status
-        raw, data = _parsed(raw)
-        await self.record(_Call(call, sent, started), status_code, data)
+        raw, data = parsed(raw)
+        await self.record(Call(call, sent, started), status_code, data)
         return status_code, raw, data
 
     async def _forward_streamed(self, call: ProxyCall) -> tuple[int, bytes, dict[str, Any]]:
@@ -312,8 +291,9 @@ class Forwarder:
         finally:
             await streamed.close()
 
-    async def stream(self, call: ProxyCall) -> StreamedCall:
-        """The engine's answer, opened and streamed: see `StreamedCall`."""
+    async def stream(self, call: ProxyCall, translator: StreamTranslator | None = None) -> StreamedCall:
+        """The engine's answer, opened and streamed: see `StreamedCall` (`translator`: relayed as
+        another API's events)."""
         started = time.monotonic()
         stack = AsyncExitStack()
         sent = await stack.enter_async_context(self.open(call))
@@ -322,11 +302,34 @@ class Forwarder:
             # The version now, not the one at the pick: a call that reached an engine frozen for
             # a load, or one whose answer began after its weights changed, is the new weights'.
             version = self.registry.version_of(sent.target.endpoint, sent.target.policy_version)
-        streamed = StreamedCall(self, _Call(call, sent, started), stack, sent.response, version)
+        streamed = StreamedCall(self.record, Call(call, sent, started), stack, sent.response, version, translator)
         if version is not None:
             self.boundaries.track(sent.target.endpoint, streamed)
             stack.callback(self.boundaries.untrack, sent.target.endpoint, streamed)
         return streamed
+
+    async def tokenize(self, rollout_id: str, body: dict[str, Any]) -> int:
+        """How many tokens the engine the rollout is routed to renders `body` (its `/tokenize`
+        request: messages, tools) into; nothing is generated or recorded."""
+        target = self.registry.pick(rollout_id)
+        if target is None:
+            raise UpstreamError(503, "no live inference endpoint to count tokens with")
+        model, _ = served_model(target, body.get("model"))
+        url = target.endpoint.rstrip("/").removesuffix("/v1") + "/tokenize"
+        try:
+            response = await self._pool.post(url, codec.dumps(body | {"model": model}))
+        except (UpstreamTimeout, ConnectFailed, UpstreamIOError) as exc:
+            raise UpstreamError(503, f"the engine could not count tokens: {exc}") from None
+        try:
+            raw = await read_whole(response)
+        finally:
+            response.release()
+        raw, data = parsed(raw)
+        count = data.get("count")
+        if response.status != 200 or not isinstance(count, int):
+            status = 400 if 400 <= response.status < 500 else 502
+            raise UpstreamError(status, f"the engine could not count tokens: {raw[:300].decode(errors='replace')}")
+        return count
 
     def registered(self, changes: list[tuple[ModelEndpoint | None, ModelEndpoint]]) -> None:
         """Engines (re-)registered, each with what it replaced: see `Boundaries.registered`."""
@@ -335,7 +338,7 @@ class Forwarder:
 
     async def record(
         self,
-        call: _Call,
+        call: Call,
         status_code: int,
         data: dict[str, Any],
         version: int | None = None,
@@ -358,6 +361,8 @@ class Forwarder:
         }
         if call.sent.policy is not None:  # several policies: which one this call trains
             record["policy"] = call.sent.policy
+        if proxied.api is not None:  # made through another API than chat/completions
+            record["api"] = proxied.api
         if status_code == 200 and "error" not in data:
             record.update(extract_tokens(proxied.endpoint, data, spans))
             if spans:  # the version of the call's oldest token
@@ -366,166 +371,3 @@ class Forwarder:
             await self.store.record_event(proxied.rollout_id, proxied.attempt_id, "model_request", record)
         except InvalidValue as exc:  # e.g. nested deeper than JSON is stored
             raise UpstreamError(502, f"the engine's answer cannot be recorded: {exc}") from None
-
-
-@dataclass
-class _Sent:
-    """An engine's response, body unread, the endpoint that sent it, the model name it was
-    asked for and the policy that name serves (None: the endpoint has one)."""
-
-    target: ModelEndpoint
-    response: UpstreamResponse
-    model: str
-    policy: str | None
-
-
-@dataclass
-class _Call:
-    """What the record of one proxied call needs besides the answer."""
-
-    proxied: ProxyCall
-    sent: _Sent
-    started: float
-
-
-class StreamedCall:
-    """A streamed engine answer, open: `status` as the engine answered; an error body is read
-    whole (`read`), a 200 is relayed chunk by chunk (`chunks`) or put together whole
-    (`assemble`) while a `StreamAssembler` puts the completion back together, recorded as one
-    `model_request` like an unstreamed call just before the agent gets the stream's end (so the
-    record is there before the agent can finish); a stream cut off is not recorded, as an
-    unstreamed call cut off is not. `close` (always, once done) releases the engine's
-    connection, or closes it if the stream did not reach its end, which is how the engine
-    learns to stop generating.
-
-    Given the policy `version` it began with, it follows the versions of its tokens: `mark`
-    at each weight load of its engine."""
-
-    def __init__(
-        self,
-        forwarder: Forwarder,
-        call: _Call,
-        stack: AsyncExitStack,
-        response: UpstreamResponse,
-        version: int | None = None,
-    ):
-        self._forwarder = forwarder
-        self._call = call
-        self._stack = stack
-        self._response = response
-        self._version = version
-        self._assembler = StreamAssembler(call.proxied.endpoint, version)
-        self._arrived: list[bytes] = []  # fed to the assembler by `mark`, not yet relayed
-        self._finished = False  # the engine's answer was read to its end
-        self._recorded = False
-        self._closed = False
-        self.status = response.status
-
-    async def read(self) -> tuple[bytes, dict[str, Any]]:
-        raw = await _read_whole(self._response)
-        self._finished = True
-        raw, data = _parsed(raw)
-        await self._record(data)
-        return raw, data
-
-    async def _record(self, data: dict[str, Any]) -> None:
-        if not self._recorded:
-            self._recorded = True
-            spans = self._assembler.spans if self._version is not None else None
-            await self._forwarder.record(self._call, self.status, data, self._version, spans)
-
-    def mark(self, version: int) -> int:
-        """Its engine now has the weights of `version`: what has arrived was sampled before
-        them (read now, so the assembler counts it), what arrives from now on with them.
-        Returns the tokens under way before the load (0: none, or the answer was complete)."""
-        self._arrived += self._fed(self._response.received())
-        self._response.wake()  # a relay waiting for more relays these
-        under_way = 0 if self._assembler.done else self._assembler.tokens_under_way()
-        self._assembler.mark(version)
-        return under_way
-
-    def _fed(self, pieces: list[bytes]) -> list[bytes]:
-        for piece in pieces:
-            self._assembler.feed(piece)
-        return pieces
-
-    async def _pieces(self) -> AsyncIterator[bytes]:
-        """The body as it arrives, each piece fed to the assembler; the call recorded at its end."""
-        while True:
-            pieces, self._arrived = self._arrived + self._fed(self._response.received()), []
-            for piece in pieces:
-                if self._assembler.done:
-                    await self._record(self._assembler.response())
-                yield piece
-            if self._arrived:  # read by a `mark` meanwhile
-                continue
-            if self._response.complete:
-                break
-            await self._response.wait()
-        self._finished = True
-        await self._record(self._assembler.response())  # an engine that sent no [DONE]
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        # Headers are sent: a failure is told in-band, as OpenAI's clients read it.
-        try:
-            async for piece in self._pieces():
-                yield piece
-        except UpstreamIOError as exc:
-            yield _sse_error(f"upstream failed mid-stream: {exc}")
-        except UpstreamError as exc:  # the answer could not be recorded
-            yield _sse_error(exc.reason)
-
-    async def assemble(self) -> dict[str, Any]:
-        """The whole answer, as the engine answers without `stream`, for an agent that did not
-        ask for a stream; an engine that failed on the way is `UpstreamError` as a whole call's."""
-        try:
-            async for _ in self._pieces():
-                pass
-        except UpstreamTimeout as exc:
-            raise UpstreamError(504, f"upstream timed out: {exc}") from None
-        except UpstreamIOError as exc:
-            raise UpstreamError(502, f"upstream failed mid-answer: {exc}") from None
-        data = self._assembler.response()
-        if data.get("error") is not None:
-            raise UpstreamError(502, f"upstream failed mid-answer: {data['error']}")
-        return data
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if not self._finished:
-                self._response.close()
-        finally:
-            await self._stack.aclose()
-
-
-def _sse_error(message: str) -> bytes:
-    return b"data: " + codec.dumps({"error": {"message": message, "type": "upstream_error"}}) + b"\n\n"
-
-
-async def _read_whole(response: UpstreamResponse) -> bytes:
-    try:
-        return await response.read()
-    except UpstreamTimeout as exc:
-        raise UpstreamError(504, f"upstream timed out: {exc}") from None
-    except UpstreamIOError as exc:
-        raise UpstreamError(502, f"upstream failed mid-answer: {exc}") from None
-
-
-def _parsed(raw: bytes) -> tuple[bytes, dict[str, Any]]:
-    """The engine's body as the agent gets it, and parsed."""
-    try:
-        data = codec.loads(raw)
-    except codec.JSONCodecError:
-        # Python-made JSON may carry NaN (a logprob): the agent gets it as standard JSON
-        # (NaN as null, as the event stores it), and anything else is the engine's fault.
-        try:
-            data = codec.loads_lenient(raw)
-            raw = codec.dumps(data)
-        except codec.JSONCodecError:
-            raise UpstreamError(502, f"upstream returned non-JSON: {raw[:300].decode(errors='replace')}") from None
-    if not isinstance(data, dict):
-        raise UpstreamError(502, "upstream returned a JSON value that is not an object")
-    return raw, data

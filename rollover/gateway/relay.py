@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -14,18 +14,22 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from rollover.gateway.asgi import error_response, json_response
-from rollover.gateway.proxy import Forwarder, ProxyCall, StreamedCall, UpstreamError
+from rollover.gateway.calls import ProxyCall, UpstreamError
+from rollover.gateway.proxy import Forwarder
+from rollover.gateway.streamed import StreamedCall
 
 DISCONNECT_CHECK_SECONDS = 0.5  # how often a proxied call still running checks that its agent is there
 Leave = Callable[[], Awaitable[None]]  # counts the call out of the in-flight calls
 
 
 class RelayedStream(StreamingResponse):
-    """The engine's chunks, relayed as they arrive; whatever ends the response (the last chunk,
-    the agent hanging up, an error) closes the engine call and then counts the call out."""
+    """The engine's chunks (or `body`, what another API's translator makes of them), relayed as
+    they arrive; whatever ends the response (the last chunk, the agent hanging up, an error)
+    closes the engine call and then counts the call out."""
 
-    def __init__(self, call: StreamedCall, leave: Leave) -> None:
-        super().__init__(call.chunks(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, call: StreamedCall, leave: Leave, body: AsyncIterator[bytes] | None = None) -> None:
+        chunks = call.chunks() if body is None else body
+        super().__init__(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._call = call
         self._leave = leave
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from rollover.config import GatewaySettings
@@ -12,6 +15,7 @@ from rollover.store.models import ModelEndpoint
 from rollover.store.sqlite import RolloutStore
 
 PAUSE_STATE_KEY, MODELS_STATE_KEY = "pause", "models"  # rows of the store's gateway_state
+log = logging.getLogger("rollover.gateway")
 
 
 @dataclass
@@ -23,6 +27,9 @@ class GatewayState:
     pause: ProxyPauseState = field(init=False)
     registry: ModelRegistry = field(default_factory=ModelRegistry)
     forwarder: Forwarder = field(init=False)
+    # Per "api.field": calls whose request carried a field the engine cannot honour (accepted,
+    # not passed on: `gateway.apis`), since the gateway started.
+    unhonoured: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         if not self.settings.gateway.admin_key:
@@ -38,6 +45,14 @@ class GatewayState:
         if isinstance(saved_models, list):
             # An engine left frozen for a weight load is still: calls to it wait for its thaw.
             self.forwarder.registered(self.registry.upsert([ModelEndpoint.model_validate(m) for m in saved_models]))
+
+    def note_unhonoured(self, api: str, fields: Iterable[str]) -> None:
+        """Count a call's unhonoured fields; each is logged the first time it is seen."""
+        for name in fields:
+            key = f"{api}.{name}"
+            if key not in self.unhonoured:
+                log.warning("%s: accepted but not honoured (the engine cannot), never passed on", key)
+            self.unhonoured[key] += 1
 
     async def save_pause(self) -> None:
         await self.store.save_gateway_state(PAUSE_STATE_KEY, self.pause.record())

@@ -11,16 +11,43 @@ had begun to arrive at the mark was written before the freeze."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from rollover import codec
 
 
+class StreamTranslator(Protocol):
+    """Turns the engine's chat stream into another API's events (`gateway.apis`): it sees each
+    chunk as the assembler parses it (parsed once, for both), and is asked for what it has to
+    send after every piece of the stream."""
+
+    def chunk(self, chunk: dict[str, Any]) -> None:
+        """One parsed chunk of the engine's stream."""
+        ...
+
+    def take(self) -> bytes:
+        """The events made since the last call, for the agent."""
+        ...
+
+    def end(self, answer: dict[str, Any]) -> bytes:
+        """The closing events, given the whole answer the chunks added up to."""
+        ...
+
+    def failed(self, message: str) -> bytes:
+        """What is left to send, then the API's in-band error event."""
+        ...
+
+
 class StreamAssembler:
     """Fed the raw bytes of an OpenAI-style server-sent event stream (vLLM's: every chunk one
-    `data:` line, `token_ids` per choice, `prompt_token_ids` on the first chunks)."""
+    `data:` line, `token_ids` per choice, `prompt_token_ids` on the first chunks); `listener`
+    gets every chunk parsed."""
 
-    def __init__(self, endpoint: str, version: int | None = None) -> None:
+    def __init__(
+        self, endpoint: str, version: int | None = None, listener: Callable[[dict[str, Any]], None] | None = None
+    ) -> None:
+        self._listener = listener
         self.chat = endpoint == "chat/completions"
         self.error: Any = None
         self.done = False  # [DONE] seen
@@ -64,6 +91,8 @@ class StreamAssembler:
             return
         if not isinstance(chunk, dict):
             return
+        if self._listener is not None:
+            self._listener(chunk)
         if chunk.get("error") is not None:
             self.error = chunk["error"]
         for key in ("id", "created", "model", "system_fingerprint", "prompt_token_ids"):

@@ -326,6 +326,9 @@ class ProxyState(_Wire):
     engine_frozen_seconds_total: float = 0.0
     calls_spanning_update_total: int = 0
     tokens_spanning_update_total: int = 0
+    # Per "api.field" (`anthropic.thinking`, ...): calls that carried a request field the engine
+    # cannot honour, accepted and not passed on (since the gateway started).
+    unhonoured_fields_total: dict[str, int] = Field(default_factory=dict)
 
 
 # What `format=triplet` keeps of a model request: Agent Lightning's `format=triplet` is the

@@ -158,6 +158,7 @@ def test_pause_contract(gateway, admin, registered):
         "engine_frozen_seconds_total": 0.0,
         "calls_spanning_update_total": 0,
         "tokens_spanning_update_total": 0,
+        "unhonoured_fields_total": {},
     }
     response = httpx.post(proxy_url(gateway, rid), json={"messages": []}, headers=agent_headers(rid))
     assert response.status_code == 429

@@ -21,6 +21,9 @@ FORBIDDEN = (
     "rollover.gateway.server",
     "rollover.gateway.app",
     "rollover.gateway.proxy",
+    "rollover.gateway.streamed",
+    "rollover.gateway.calls",
+    "rollover.gateway.apis",
 )
 
 
