@@ -3,7 +3,9 @@
 It answers `chat/completions` and `completions` with vLLM's extra fields (`prompt_token_ids`,
 `token_ids`, sampled-token logprobs), deterministically from the request, `n` choices, streamed
 as vLLM streams when asked, and can be told to be slow or to fail so the proxy's retry and
-cancel paths can be exercised.
+cancel paths can be exercised. A chat request with `tools` whose last message is not a tool's
+result is answered with a call of its first tool (as vLLM's tool-call parser returns one);
+`/tokenize` counts a chat request's tokens as the answers do.
 """
 
 from __future__ import annotations
@@ -44,12 +46,14 @@ def _fake_ids(text: str, count: int) -> list[int]:
 
 @dataclass
 class _Choice:
-    """One generated choice: its tokens, their logprobs and the text they decode to."""
+    """One generated choice: its tokens, their logprobs and the text they decode to (or, for a
+    tool call, its `call`: id, name and JSON arguments)."""
 
     index: int
     token_ids: list[int]
     logprobs: list[float]
     text: str
+    call: tuple[str, str, str] | None = None
 
     def pieces(self) -> list[str]:
         """The text split over the tokens, one piece each, as a stream delivers it."""
@@ -57,12 +61,33 @@ class _Choice:
         return [self.text[size * k // n : size * (k + 1) // n] for k in range(n)]
 
 
-def _choices(prompt: str, n: int) -> list[_Choice]:
+def _choices(prompt: str, n: int, tool: str | None = None) -> list[_Choice]:
     out = []
     for index in range(n):
         ids = _fake_ids(prompt + ("reply" if index == 0 else f"reply{index}"), 4)
-        out.append(_Choice(index, ids, [-0.1 * (k + 1) - 0.01 * index for k in range(len(ids))], f"echo {len(prompt)}"))
+        logprobs = [-0.1 * (k + 1) - 0.01 * index for k in range(len(ids))]
+        if tool is None:
+            out.append(_Choice(index, ids, logprobs, f"echo {len(prompt)}"))
+        else:
+            arguments = json.dumps({"query": f"echo {len(prompt)}"})
+            out.append(_Choice(index, ids, logprobs, arguments, (f"call-{ids[0]}-{index}", tool, arguments)))
     return out
+
+
+def _tool_to_call(body: dict[str, Any]) -> str | None:
+    """The tool a chat request is answered with a call of: its first, unless it already has
+    its result (the last message is the tool's)."""
+    tools, messages = body.get("tools"), body.get("messages")
+    if not tools or not isinstance(messages, list) or not messages or body.get("tool_choice") == "none":
+        return None
+    if isinstance(messages[-1], dict) and messages[-1].get("role") == "tool":
+        return None
+    return str((tools[0].get("function") or {}).get("name"))
+
+
+def _tool_calls(call: tuple[str, str, str]) -> list[dict[str, Any]]:
+    call_id, name, arguments = call
+    return [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -97,7 +122,7 @@ def create_stub_app(behaviour: StubBehaviour) -> FastAPI:
                 return JSONResponse({"error": "client went away"}, status_code=499)
         prompt = str(body.get("messages") or body.get("prompt"))
         prompt_ids = _fake_ids(prompt, 8)
-        choices = _choices(prompt, int(body.get("n") or 1))
+        choices = _choices(prompt, int(body.get("n") or 1), _tool_to_call(body) if kind == "chat" else None)
         with_ids = bool(body.get("return_token_ids"))
         if body.get("stream"):
             return StreamingResponse(
@@ -120,8 +145,10 @@ def create_stub_app(behaviour: StubBehaviour) -> FastAPI:
                     "choices": [
                         {
                             "index": c.index,
-                            "message": {"role": "assistant", "content": c.text},
-                            "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": c.text}
+                            if c.call is None
+                            else {"role": "assistant", "content": None, "tool_calls": _tool_calls(c.call)},
+                            "finish_reason": "stop" if c.call is None else "tool_calls",
                             "logprobs": {"content": _chat_logprobs(c.token_ids, c.logprobs)}
                             if body.get("logprobs")
                             else None,
@@ -162,6 +189,12 @@ def create_stub_app(behaviour: StubBehaviour) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await answer("completions", request)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await request.json()
+        behaviour.requests.append(body)
+        return JSONResponse({"count": len(_fake_ids(str(body.get("messages")), 8)), "max_model_len": 4096})
+
     return app
 
 
@@ -201,9 +234,20 @@ async def _stream(
                     await asyncio.sleep(0.02)
             for c in choices:
                 token, logprob, piece = c.token_ids[k], c.logprobs[k], c.pieces()[k]
-                choice: dict[str, Any] = {"index": c.index, "finish_reason": "stop" if k == last_token else None}
+                finish = ("stop" if c.call is None else "tool_calls") if k == last_token else None
+                choice: dict[str, Any] = {"index": c.index, "finish_reason": finish}
                 choice["token_ids"] = [token] if with_ids else None
-                if kind == "chat":
+                if kind == "chat" and c.call is not None:
+                    # As vLLM's parser streams a call: its id and name first, then its arguments.
+                    call_delta: dict[str, Any] = {"index": 0, "function": {"arguments": piece}}
+                    if k == 0:
+                        call_delta |= {"id": c.call[0], "type": "function"}
+                        call_delta["function"]["name"] = c.call[1]
+                    choice["delta"] = {"tool_calls": [call_delta]}
+                    choice["logprobs"] = (
+                        {"content": _chat_logprobs([token], [logprob])} if body.get("logprobs") else None
+                    )
+                elif kind == "chat":
                     choice["delta"] = {"content": piece}
                     choice["logprobs"] = (
                         {"content": _chat_logprobs([token], [logprob])} if body.get("logprobs") else None
