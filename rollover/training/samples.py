@@ -4,15 +4,20 @@ A *triplet* is one recorded model call (the gateway's ``format=samples`` view):
 ``{"prompt_token_ids", "response_token_ids", "response_logprobs", "policy_version"}``, and with
 partial rollout ``response_version_spans``, the versions that sampled its response tokens.
 
-Merging (SPEC §5): calls are walked in order. When a call's prompt starts with the whole
-sequence built so far (previous prompts + responses + earlier extensions), only the new tail is
-appended: the tokens between the previous response and the new response are tool/env output
-and get ``loss_mask = 0``; the new response gets ``loss_mask = 1``. Any other call starts a new
-sample. A call with several choices (``n`` > 1, triplets with ``choice_index`` 1, 2, ...) makes
-each further choice a sample of its own; the next call extends whichever choice it continues.
-With several policies (triplets' ``policy``) a call extends only a sample of its own policy (its
-policy's previous call's), so each sample trains one policy on its own responses alone.
-Every sample of a rollout carries the rollout's reward (and later its advantage).
+Merging (SPEC §5), by prefix, not by order: calls are walked in order, and a call extends the
+longest sample built so far (of its policy) whose whole sequence (prompts + responses + earlier
+extensions) its prompt starts with; only the new tail is appended: the tokens between that
+sample's last response and the new response are tool/env output and get ``loss_mask = 0``; the
+new response gets ``loss_mask = 1``. A call no sample prefixes starts a new sample. So sessions
+that interleave inside one rollout (a harness's sub-agent, its side calls for a title or a
+summary: A1, B1, A2, B2) become one sample each, and no response is trained twice. A call that
+rewrites its context (a compaction) starts a new sample, as does one that shares only part of a
+sample's sequence (a branch, or a retried turn): its shared prefix is context again, computed
+again in the update but not trained again. A call with several choices (``n`` > 1, triplets with
+``choice_index`` 1, 2, ...) makes each further choice a sample of its own; the next call extends
+whichever choice it continues. With several policies (triplets' ``policy``) a call extends only a
+sample of its own policy, so each sample trains one policy on its own responses alone. Every
+sample of a rollout carries the rollout's reward (and later its advantage).
 
 Alignment convention of ``collate`` (important for the trainer):
 
@@ -85,9 +90,12 @@ class _Builder:
         self.behaviour_logprobs.extend(float(x) for x in logprobs)
         self.token_versions.extend(versions)
 
-    def extends_into(self, prompt: Sequence[int]) -> bool:
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def extends_into(self, prompt: list[int]) -> bool:
         n = len(self.input_ids)
-        return n > 0 and len(prompt) >= n and list(prompt[:n]) == self.input_ids
+        return n > 0 and len(prompt) >= n and prompt[n - 1] == self.input_ids[-1] and prompt[:n] == self.input_ids
 
 
 def build_samples(
@@ -116,10 +124,6 @@ def build_samples(
         raise ValueError(f"max_length must be at least 2, got {max_length}")
 
     builders: list[_Builder] = []
-    # Per policy, the samples its previous call's choices went to (one, unless it asked for
-    # n > 1): the agent carries on from one of them.
-    previous: dict[str | None, list[_Builder]] = {}
-    this_call: list[_Builder] = []
     for position, triplet in enumerate(triplets):
         prompt = [int(t) for t in triplet["prompt_token_ids"]]
         response = [int(t) for t in triplet["response_token_ids"]]
@@ -137,10 +141,8 @@ def build_samples(
                 )
 
         current: _Builder | None = None
-        if not triplet.get("choice_index"):  # a new call (its first choice)
-            earlier, this_call = previous.get(policy, []), []
-            previous[policy] = this_call
-            current = next((b for b in earlier if b.extends_into(prompt)), None) if merge else None
+        if merge and not triplet.get("choice_index"):  # a new call (its first choice)
+            current = _longest_prefix(builders, policy, prompt)
         # Another choice of the same call is a sample of its own, its prompt all context: the
         # earlier turns are trained once, in the first choice's sample.
         if current is not None:
@@ -150,7 +152,6 @@ def build_samples(
             builders.append(current)
             current.add_context(prompt)
         current.add_response(response, logprobs, versions)
-        this_call.append(current)
 
     samples: list[Sample] = []
     for builder in builders:
@@ -170,6 +171,15 @@ def build_samples(
         if sample.num_loss_tokens > 0:
             samples.append(sample)
     return samples
+
+
+def _longest_prefix(builders: Sequence[_Builder], policy: str | None, prompt: list[int]) -> _Builder | None:
+    """The sample of `policy` with the longest sequence that `prompt` starts with, if any."""
+    best: _Builder | None = None
+    for builder in builders:
+        if builder.policy == policy and (best is None or len(builder) > len(best)) and builder.extends_into(prompt):
+            best = builder
+    return best
 
 
 def token_versions(spans: Sequence[Sequence[int]] | None, version: int, length: int) -> list[int]:

@@ -232,3 +232,34 @@ def test_truncation_error_trains_no_over_long_sample_and_counts_it() -> None:
     assert [r.rollout_id for r in batch.rollouts] == ["short", "long"]  # it still counts in its group's baseline
     assert metrics["training/n_overlong_samples"] == 1
     assert metrics["response_length/max"] == 2 and metrics["prompt_length/mean"] == 2
+
+
+def test_interleaved_sessions_merge_by_prefix_one_sample_each_nothing_trained_twice() -> None:
+    # A harness's main session (A) and a sub-agent or side call (B) alternate: A1, B1, A2, B2.
+    a1 = _call([1, 2], [10], [-0.1], 0)
+    b1 = _call([5, 6], [50], [-0.5], 0)
+    a2 = _call([1, 2, 10, 3], [11], [-0.2], 0)
+    b2 = _call([5, 6, 50, 7], [51], [-0.6], 0)
+    samples = build_samples("r", "g", [a1, b1, a2, b2], reward=1.0, max_length=None)
+    assert [s.input_ids for s in samples] == [[1, 2, 10, 3, 11], [5, 6, 50, 7, 51]]
+    trained = [t for s in samples for t, m in zip(s.input_ids, s.loss_mask) if m]
+    assert sorted(trained) == [10, 11, 50, 51]  # every response once
+
+
+def test_a_call_extends_the_longest_sample_its_prompt_starts_with() -> None:
+    first = _call([1, 2], [10], [-0.1], 0)
+    branch = _call([1, 2, 10, 3], [11], [-0.2], 0)  # extends the first
+    longer = _call([1, 2, 10, 3, 11, 4], [12], [-0.3], 0)  # extends the extended one
+    samples = build_samples("r", "g", [first, branch, longer], reward=0.0, max_length=None)
+    assert [s.input_ids for s in samples] == [[1, 2, 10, 3, 11, 4, 12]]
+
+
+def test_a_compaction_or_a_branch_starts_a_new_sample() -> None:
+    first = _call([1, 2], [10], [-0.1], 0)
+    second = _call([1, 2, 10, 3], [11], [-0.2], 0)
+    compacted = _call([9, 8], [12], [-0.3], 0)  # the context rewritten (a summary)
+    branch = _call([1, 2, 10, 4], [13], [-0.4], 0)  # shares only [1, 2, 10] with the first sample
+    samples = build_samples("r", "g", [first, second, compacted, branch], reward=0.0, max_length=None)
+    assert [s.input_ids for s in samples] == [[1, 2, 10, 3, 11], [9, 8, 12], [1, 2, 10, 4, 13]]
+    # The branch's shared prefix is context again, not trained again.
+    assert samples[2].loss_mask == [0, 0, 0, 0, 1]
