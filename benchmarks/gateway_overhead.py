@@ -6,6 +6,9 @@ Figures (the issue's targets in brackets):
 2. throughput at concurrency 64 with a 100 ms upstream, x the direct rate [>= 0.85x]
 3. rollout creation in batches of 64 (POST /api/rollouts), rollouts/s      [>= 30k/s]
 4. event posting at concurrency 16 (POST .../events, a reward), events/s    [>= 3k/s]
+5. the translated APIs (Rollover only): added latency p50 at concurrency 1 of Anthropic's
+   Messages and OpenAI's Responses through the gateway (translated to the stand-in's chat
+   completions) over the stand-in serving the same API itself, streamed and not  [<= 0.5 ms]
 
 Every server is its own process (the stand-in `rollover.testing.stub_upstream`, Rollover's
 `GatewayProcess` on a SQLite file, Agent Lightning's `python -m agentlightning.server` run as
@@ -52,6 +55,16 @@ KEY = "bench-admin"
 MODEL = "policy"
 ATTEMPT = "0"  # Agent Lightning's default attempt id; both gateways accept it
 CHAT = {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 8}
+MESSAGES = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "What is 2 + 2?"}]}
+RESPONSES = {"model": MODEL, "input": "What is 2 + 2?", "max_output_tokens": 8}
+# figure 5: name -> (the stand-in's own path, the attempt's proxy path, body)
+APIS = {
+    "chat, streamed (for reference)": ("chat/completions", "openai/v1/chat/completions", CHAT | {"stream": True}),
+    "anthropic messages": ("messages", "anthropic/v1/messages", MESSAGES),
+    "anthropic messages, streamed": ("messages", "anthropic/v1/messages", MESSAGES | {"stream": True}),
+    "responses": ("responses", "openai/v1/responses", RESPONSES),
+    "responses, streamed": ("responses", "openai/v1/responses", RESPONSES | {"stream": True}),
+}
 TARGETS = {"latency_ms": 0.5, "throughput_ratio": 0.85, "rollouts_per_s": 30_000, "events_per_s": 3_000}
 
 
@@ -90,6 +103,8 @@ class Report:
     settings: Settings
     paths: dict[str, PathFigures] = field(default_factory=dict)
     load: tuple[float, float] = (0.0, 0.0)
+    # figure 5, per API: the p50 ms served natively by the stand-in, and through Rollover
+    apis: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def added_latency_ms(self, path: str) -> float | None:
         mine, direct = self.paths[path].latency_p50_ms, self.paths["direct"].latency_p50_ms
@@ -107,6 +122,7 @@ class Report:
             "paths": {name: asdict(figures) for name, figures in self.paths.items()},
             "added_latency_ms": {p: self.added_latency_ms(p) for p in gateways},
             "throughput_ratio": {p: self.throughput_ratio(p) for p in gateways},
+            "apis_added_latency_ms": {api: through - direct for api, (direct, through) in self.apis.items()},
         }
 
 
@@ -309,7 +325,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-async def measure(settings: Settings, upstream: str, stub_pid: int, gateways: list[Gateway]) -> dict[str, PathFigures]:
+async def measure(
+    settings: Settings, upstream: str, stub_pid: int, gateways: list[Gateway], apis: dict[str, tuple[float, float]]
+) -> dict[str, PathFigures]:
     figures = {"direct": PathFigures()} | {g.name: PathFigures() for g in gateways}
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     timeout = aiohttp.ClientTimeout(total=120)
@@ -357,6 +375,36 @@ async def measure(settings: Settings, upstream: str, stub_pid: int, gateways: li
             figures[name].latency_p50_ms = percentile(measured.latencies, 50) * 1e3
             figures[name].latency_p99_ms = percentile(measured.latencies, 99) * 1e3
             figures[name].cpu_ms_per_call = measured.cpu_ms_per_call()
+
+        # 5. the translated APIs, Rollover only (at c=1, fast upstream, like figure 1)
+        rollover = next(g for g in gateways if g.name == "rollover")
+        for api, (native, proxied, api_body) in APIS.items():
+            encoded = json.dumps(api_body).encode()
+            paired: dict[str, tuple[Run, int]] = {}
+            for name, pid, call in (
+                ("direct", stub_pid, cycling([(f"{upstream}/{native}", encoded, json_headers({}))])),
+                (
+                    "rollover",
+                    rollover.pid,
+                    cycling(
+                        [
+                            (
+                                f"{rollover.url}/proxy/rollout/{rid}/attempt/{ATTEMPT}/mode/train/{proxied}",
+                                encoded,
+                                json_headers(rollover.agent_headers(rid)),
+                            )
+                            for rid in agents["rollover"]
+                        ]
+                    ),
+                ),
+            ):
+                await hammer(session, call, 100, 4)  # warm-up
+                paired[name] = ((lambda c: lambda requests: hammer(session, c, requests, 1))(call), pid)
+            results = await interleaved(paired, settings.latency_requests // 2, settings.rounds)
+            apis[api] = (
+                percentile(results["direct"].latencies, 50) * 1e3,
+                percentile(results["rollover"].latencies, 50) * 1e3,
+            )
 
         # 2. throughput at concurrency 64, slow upstream
         slow = chat_calls(settings.slow_delay)
@@ -408,8 +456,9 @@ def run_benchmark(settings: Settings) -> Report:
             gateways.append(start_baseline(stack, settings.baseline_root, upstream, folder))
         if settings.agl_python:
             gateways.append(start_agent_lightning(stack, settings.agl_python, upstream, folder))
-        paths = asyncio.run(measure(settings, upstream, stub_pid, gateways))
-    return Report(settings=settings, paths=paths, load=(load_before, os.getloadavg()[0]))
+        apis: dict[str, tuple[float, float]] = {}
+        paths = asyncio.run(measure(settings, upstream, stub_pid, gateways, apis))
+    return Report(settings=settings, paths=paths, load=(load_before, os.getloadavg()[0]), apis=apis)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -459,6 +508,11 @@ def format_report(report: Report) -> str:
         f">= {TARGETS['events_per_s']}",
     )
     row("  server CPU ms per event", [""] + [_fmt(p[n].cpu_ms_per_event, ".3f") for n in gateways], "")
+    for api, (direct, through) in report.apis.items():
+        lines.append(
+            f"{api + ': p50 ms native, through rollover':<44}{direct:>{width}.2f}{through:>{width}.2f}"
+            f"{through - direct:>+{width}.2f} added (target <= {TARGETS['latency_ms']})"
+        )
     floor, ours_added = report.paths.get("floor"), report.added_latency_ms("rollover")
     if floor is not None and ours_added is not None:
         floor_added = report.added_latency_ms("floor") or 0.0

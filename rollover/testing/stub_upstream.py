@@ -5,7 +5,10 @@ It answers `chat/completions` and `completions` with vLLM's extra fields (`promp
 as vLLM streams when asked, and can be told to be slow or to fail so the proxy's retry and
 cancel paths can be exercised. A chat request with `tools` whose last message is not a tool's
 result is answered with a call of its first tool (as vLLM's tool-call parser returns one);
-`/tokenize` counts a chat request's tokens as the answers do.
+`/tokenize` counts a chat request's tokens as the answers do. `/v1/messages` and
+`/v1/responses` answer natively (Anthropic's and the Responses API's shapes, streamed or not),
+as an engine that serves those APIs itself: the benchmark's baseline for the gateway's
+translated routes.
 """
 
 from __future__ import annotations
@@ -189,6 +192,27 @@ def create_stub_app(behaviour: StubBehaviour) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await answer("completions", request)
 
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        body = await request.json()
+        [choice] = _choices(str(body.get("messages")), 1)
+        if body.get("stream"):
+            return StreamingResponse(_native_events("anthropic", choice), media_type="text/event-stream")
+        content = [{"type": "text", "text": choice.text}]
+        usage = {"input_tokens": 8, "output_tokens": len(choice.token_ids)}
+        return JSONResponse(
+            {"id": "msg_stub", "type": "message", "role": "assistant", "model": body.get("model"), "content": content}
+            | {"stop_reason": "end_turn", "stop_sequence": None, "usage": usage}
+        )
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body = await request.json()
+        [choice] = _choices(str(body.get("input")), 1)
+        if body.get("stream"):
+            return StreamingResponse(_native_events("responses", choice), media_type="text/event-stream")
+        return JSONResponse(_native_response(choice, body.get("model")))
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         body = await request.json()
@@ -196,6 +220,38 @@ def create_stub_app(behaviour: StubBehaviour) -> FastAPI:
         return JSONResponse({"count": len(_fake_ids(str(body.get("messages")), 8)), "max_model_len": 4096})
 
     return app
+
+
+def _native_response(choice: _Choice, model: Any) -> dict[str, Any]:
+    part = {"type": "output_text", "text": choice.text, "annotations": []}
+    item = {"id": "msg_stub", "type": "message", "status": "completed", "role": "assistant", "content": [part]}
+    usage = {"input_tokens": 8, "output_tokens": len(choice.token_ids), "total_tokens": 8 + len(choice.token_ids)}
+    return {"id": "resp_stub", "object": "response", "status": "completed", "model": model, "output": [item]} | {
+        "usage": usage
+    }
+
+
+async def _native_events(api: str, choice: _Choice) -> AsyncIterator[bytes]:
+    """The event sequence of an engine that serves the API itself: a start, a delta per token, an end."""
+
+    def event(name: str, data: dict[str, Any]) -> bytes:
+        return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n".encode()
+
+    if api == "anthropic":
+        yield event(
+            "message_start", {"message": {"id": "msg_stub", "type": "message", "role": "assistant", "content": []}}
+        )
+        yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        for piece in choice.pieces():
+            yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": piece}})
+        yield event("content_block_stop", {"index": 0})
+        yield event("message_delta", {"delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 4}})
+        yield event("message_stop", {})
+        return
+    yield event("response.created", {"response": {"id": "resp_stub", "status": "in_progress", "output": []}})
+    for piece in choice.pieces():
+        yield event("response.output_text.delta", {"item_id": "msg_stub", "output_index": 0, "delta": piece})
+    yield event("response.completed", {"response": _native_response(choice, None)})
 
 
 def _chat_logprobs(token_ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:

@@ -117,6 +117,9 @@ def test_gateway_overhead_smoke():
     floor = report.paths["floor"]  # the bare relay answered every call; it has no rollout API
     assert floor.latency_p50_ms > 0 and report.throughput_ratio("floor") > 0 and floor.rollouts_per_s is None
     assert "above the floor" in gateway_overhead.format_report(report)
+    # The translated APIs, each against the stand-in serving it natively.
+    assert set(report.apis) == set(gateway_overhead.APIS)
+    assert all(direct > 0 and through > 0 for direct, through in report.apis.values())
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Every store-API endpoint fuzzed (hypothesis, bounded) with the admin key and a scoped key:
-no 5xx, every error a JSON `{"error", "reason"}`, the store file unchanged after every 4xx.
+no 5xx, every error a JSON `{"error", "reason"}` (on the Anthropic and Responses routes, that
+API's own error shape), the store file unchanged after every 4xx.
 And the auth matrix: each endpoint against no key, wrong keys and the scoped keys of this
 rollout, of an old attempt of it and of another rollout."""
 
@@ -99,7 +100,45 @@ TEMPLATES: dict[str, Any] = {
     "models": [{"model": "policy", "endpoint": "http://127.0.0.1:9/v1", "policy_version": 1}],
     "pause": {"reason": "fuzz", "retry_after_seconds": 1, "expected_seconds": 2},
     "chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "anthropic": {
+        "model": "policy",
+        "max_tokens": 4,
+        "system": [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "2"}]},
+        ],
+        "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "auto"},
+        "stream": False,
+    },
+    "responses": {
+        "model": "policy",
+        "instructions": "s",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "2"},
+        ],
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        "previous_response_id": None,
+        "store": True,
+    },
 }
+
+
+def error_message(path: str, error: Any) -> str:
+    """The refusal's reason, checked to be in the shape of the API the path serves."""
+    if "/anthropic/" in path:
+        assert set(error) == {"type", "error"} and error["type"] == "error", error
+        assert set(error["error"]) == {"type", "message"}, error
+        return str(error["error"]["message"])
+    if "/openai/v1/responses" in path:
+        assert set(error) == {"error"} and {"message", "type"} <= set(error["error"]), error
+        return str(error["error"]["message"])
+    assert set(error) == {"error", "reason"}, error
+    return str(error["reason"])
 
 
 @st.composite
@@ -145,6 +184,13 @@ def requests(draw: st.DrawFn) -> tuple[str, str, dict[str, Any], bytes | None]:
                 ("POST", f"/proxy/rollout/{rid}/attempt/{aid}/mode/{mode}/openai/v1/chat/completions", "chat"),
                 ("POST", f"/proxy/rollout/{rid}/attempt/{aid}/mode/{mode}/openai/v1/completions", "chat"),
                 ("GET", f"/proxy/rollout/{rid}/attempt/{aid}/mode/{mode}/openai/v1/models", None),
+                ("POST", f"/proxy/rollout/{rid}/attempt/{aid}/mode/{mode}/anthropic/v1/messages", "anthropic"),
+                (
+                    "POST",
+                    f"/proxy/rollout/{rid}/attempt/{aid}/mode/{mode}/anthropic/v1/messages/count_tokens",
+                    "anthropic",
+                ),
+                ("POST", f"/proxy/rollout/{rid}/attempt/{aid}/mode/{mode}/openai/v1/responses", "responses"),
             ]
         )
     )
@@ -179,8 +225,7 @@ def test_fuzzed_requests_never_5xx_and_refusals_change_nothing(fuzzed, request, 
     assert response.status_code < 500, (method, path, params, body, response.status_code, response.text)
     if response.status_code >= 400:
         assert response.headers["content-type"].startswith("application/json"), response.text
-        error = response.json()
-        assert set(error) == {"error", "reason"} and error["reason"], error
+        assert error_message(path, response.json())
         assert fuzzed.rows() == before, (method, path, body, response.text)
     elif response.status_code < 300 and not response.headers["content-type"].startswith("text/event-stream"):
         response.json()  # 3xx: the router's redirect of a trailing slash
@@ -190,6 +235,8 @@ def test_fuzzed_requests_never_5xx_and_refusals_change_nothing(fuzzed, request, 
 
 OTHER = "fz-other"
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+MESSAGES = {"model": "policy", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+RESPONSES = {"model": "policy", "input": "hi"}
 
 
 def endpoints(upstream: str) -> list[tuple[str, str, Any, str]]:
@@ -213,8 +260,13 @@ def endpoints(upstream: str) -> list[tuple[str, str, Any, str]]:
         ("GET", f"/proxy/rollout/{RUN}/attempt/a2/mode/train/openai/v1/models", None, "read"),
         ("POST", f"/api/rollouts/{RUN}/attempt/a2/events", {"event_type": "note", "data": {}}, "write"),
         ("POST", f"/proxy/rollout/{RUN}/attempt/a2/mode/train/openai/v1/chat/completions", CHAT, "write"),
+        ("POST", f"/proxy/rollout/{RUN}/attempt/a2/mode/train/anthropic/v1/messages", MESSAGES, "write"),
+        ("POST", f"/proxy/rollout/{RUN}/attempt/a2/mode/train/anthropic/v1/messages/count_tokens", MESSAGES, "write"),
+        ("POST", f"/proxy/rollout/{RUN}/attempt/a2/mode/train/openai/v1/responses", RESPONSES, "write"),
         ("POST", f"/api/rollouts/{RUN}/attempt/a1/events", {"event_type": "note", "data": {}}, "old"),
         ("POST", f"/proxy/rollout/{RUN}/attempt/a1/mode/train/openai/v1/chat/completions", CHAT, "old"),
+        ("POST", f"/proxy/rollout/{RUN}/attempt/a1/mode/train/anthropic/v1/messages", MESSAGES, "old"),
+        ("POST", f"/proxy/rollout/{RUN}/attempt/a1/mode/train/openai/v1/responses", RESPONSES, "old"),
         ("DELETE", "/api/models", None, "admin"),  # last: the proxy calls above need the upstream
     ]
 
@@ -259,7 +311,7 @@ def test_auth_matrix_on_every_endpoint(fuzzed):
             seen.append((who, method, path, got))
             assert got == expected, (who, method, path, response.status_code, response.text)
             if got != "2xx":
-                assert set(response.json()) == {"error", "reason"}
+                assert error_message(path, response.json())
                 assert fuzzed.rows() == before, (who, method, path)
     assert httpx.get(f"{fuzzed.gateway.url}/healthz").status_code == 200  # the one endpoint with no key
     assert len(seen) == len(keys) * len(endpoints(""))

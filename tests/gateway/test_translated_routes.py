@@ -1,0 +1,95 @@
+"""The translated routes (Anthropic Messages, OpenAI Responses) behave as the chat route on what
+the chat route guarantees: under partial rollout a call across a weight load is one answer in
+the API's shape, recorded with each token's version; with several policies the agent's `model`
+picks the policy and the record names it."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from rollover.gateway.keys import scoped_key
+from rollover.gateway.server import GatewayThread
+from tests.conftest import ADMIN_KEY
+from tests.gateway.test_partial_rollout import SETTLE_SECONDS, Call, partial_gateway, recorded, register
+from tests.gateway.test_proxy import running_rollout
+
+ROUTES = {
+    "anthropic": ("anthropic/v1/messages", {"max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}),
+    "responses": ("openai/v1/responses", {"input": "hi"}),
+}
+
+
+def route_url(gateway: GatewayThread, rid: str, api: str) -> str:
+    return f"{gateway.url}/proxy/rollout/{rid}/attempt/a1/mode/train/{ROUTES[api][0]}"
+
+
+def headers(rid: str) -> dict[str, str]:
+    return {"x-api-key": scoped_key(ADMIN_KEY, rid, "a1")}
+
+
+def answer_text(api: str, answer: dict[str, Any]) -> str:
+    if api == "anthropic":
+        return "".join(block["text"] for block in answer["content"] if block["type"] == "text")
+    return "".join(part["text"] for item in answer["output"] for part in item.get("content") or [])
+
+
+def streamed_text(api: str, lines: list[str]) -> str:
+    events = [json.loads(line[len("data: ") :]) for line in lines]
+    if api == "anthropic":
+        return "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+    return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+
+
+@pytest.fixture
+def partial() -> Iterator[GatewayThread]:
+    with partial_gateway() as server:
+        yield server
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("api", list(ROUTES))
+def test_a_call_across_a_weight_load_is_one_answer_recorded_with_both_versions(partial, stub, api, stream) -> None:
+    with httpx.Client(base_url=partial.url, headers={"x-api-key": ADMIN_KEY}) as admin:
+        register(admin, stub, 3)
+        rid = running_rollout(admin)
+        body = {"model": "policy", **ROUTES[api][1]}
+        whole = httpx.post(route_url(partial, rid, api), json=body, headers=headers(rid)).json()
+        stub.behaviour.hold_stream_end = threading.Event()
+        call = Call(route_url(partial, rid, api), headers(rid), body | {"stream": stream})
+        call.start()
+        assert stub.behaviour.holding.wait(30)
+        threading.Event().wait(SETTLE_SECONDS)
+        register(admin, stub, 4)
+        stub.behaviour.hold_stream_end.set()
+        call.join(30)
+        assert call.response is not None and call.response.status_code == 200
+        assert stub.behaviour.requests[-1]["stream"] is True  # streamed from the engine either way
+        text = streamed_text(api, call.lines) if stream else answer_text(api, call.response.json())
+        assert text == answer_text(api, whole)
+        before, spanning = recorded(admin, rid)
+    assert spanning["api"]["name"] == api
+    assert spanning["response_token_ids"] == before["response_token_ids"]
+    assert spanning["response_version_spans"] == [[0, 3], [3, 4]] and spanning["policy_version"] == 3
+
+
+@pytest.mark.parametrize("api", list(ROUTES))
+def test_the_agents_model_picks_the_policy(gateway, admin, stub, api) -> None:
+    policies = {"planner": "planner-v3", "solver": "solver-v3"}
+    entry = {"model": "planner-v3", "endpoint": stub.base_url, "policy_version": 3, "policies": policies}
+    admin.post("/api/models", json=[entry]).raise_for_status()
+    rid = running_rollout(admin)
+    response = httpx.post(
+        route_url(gateway, rid, api), json={"model": "solver", **ROUTES[api][1]}, headers=headers(rid)
+    )
+    assert response.status_code == 200, response.text
+    assert stub.behaviour.requests[-1]["model"] == "solver-v3"
+    [record] = [e["data"] for e in admin.get(f"/api/rollouts/{rid}/events").json()]
+    assert record["policy"] == "solver" and record["model"] == "solver-v3"
+    refused = httpx.post(route_url(gateway, rid, api), json={"model": "gpt-4o", **ROUTES[api][1]}, headers=headers(rid))
+    assert refused.status_code == 404 and "ask for one of 'planner', 'solver'" in refused.text
