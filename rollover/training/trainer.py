@@ -20,6 +20,7 @@ from rollover.metrics.progress import NullProgress, Progress
 from rollover.retry import RetryPolicy, call_with_retries
 from rollover.store.models import ProxyState, RolloutState
 from rollover.training.data import PromptLoader
+from rollover.training.gateway_counts import unhonoured_metrics
 from rollover.training.loss.kl import adaptive_kl_coef
 from rollover.training.manager import (
     AsyncRolloutManager,
@@ -111,6 +112,9 @@ class Trainer:
         # about as long, so refused agents come back when it ends, not Retry-After later.
         self._last_pause_seconds: float | None = None
         self._boundary_counts: ProxyState | None = None  # the gateway's, as the last rollout ended
+        # The gateway's totals at this step's pause and at the one before (`gateway_counts`).
+        self._gateway_counts: ProxyState | None = None
+        self._gateway_counts_before: ProxyState | None = None
 
     # -- the window -----------------------------------------------------------------------
 
@@ -196,6 +200,13 @@ class Trainer:
             self._last_pause_seconds = self.clock() - self._paused_at
             self._paused_at = None
 
+    def _unhonoured_metrics(self) -> dict[str, float]:
+        if self._gateway_counts is None:
+            return {}
+        metrics = unhonoured_metrics(self._gateway_counts_before, self._gateway_counts)
+        self._gateway_counts_before = self._gateway_counts
+        return metrics
+
     async def _pause_and_drain_gateway(self) -> tuple[int, float]:
         """Pause the proxy, record in-flight calls at that moment, wait until none are left.
 
@@ -206,6 +217,7 @@ class Trainer:
         if self.partial_rollout:
             started = self.clock()
             self._boundary_counts = await self.client.proxy_state()
+            self._gateway_counts = self._boundary_counts
             return self._boundary_counts.inflight, self.clock() - started
         gateway = self.config.gateway
         state = await self.client.pause(
@@ -214,6 +226,7 @@ class Trainer:
             expected_seconds=self._last_pause_seconds,
         )
         inflight_at_pause = state.inflight
+        self._gateway_counts = state
         started = self._paused_at = self.clock()
         deadline = started + gateway.drain_timeout_seconds
         self.progress.drain(state.inflight)
@@ -462,6 +475,7 @@ class Trainer:
             **sample_metrics,
             **update_metrics,
             **spanning_metrics(self._boundary_counts, counts_after_sync),
+            **self._unhonoured_metrics(),
             "training/async/n_aborted_stale_rollouts": n_stale,
             "training/n_filtered_groups": len(result.filtered_groups),
             "training/update_skipped": 0.0 if samples else 1.0,
