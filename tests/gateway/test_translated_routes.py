@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -93,3 +94,67 @@ def test_the_agents_model_picks_the_policy(gateway, admin, stub, api) -> None:
     assert record["policy"] == "solver" and record["model"] == "solver-v3"
     refused = httpx.post(route_url(gateway, rid, api), json={"model": "gpt-4o", **ROUTES[api][1]}, headers=headers(rid))
     assert refused.status_code == 404 and "ask for one of 'planner', 'solver'" in refused.text
+
+
+@pytest.mark.slow
+def test_a_killed_gateway_loses_no_answered_call_of_either_api(tmp_path, stub) -> None:
+    """Every call whose answer (whole, or a stream's last event) reached its agent is in the
+    store with its token ids after a SIGKILL mid-traffic: recorded before it is answered."""
+    from rollover.gateway.server import GatewayProcess
+
+    store = str(tmp_path / "store.db")
+    gateway = GatewayProcess(store=store, admin_key=ADMIN_KEY).start()
+    with httpx.Client(base_url=gateway.url, headers={"x-api-key": ADMIN_KEY}) as admin:
+        admin.post("/api/models", json=[{"model": "policy", "endpoint": stub.base_url}]).raise_for_status()
+        rids = [running_rollout(admin) for _ in range(4)]
+    answered: dict[str, set[str]] = {rid: set() for rid in rids}
+    stop = threading.Event()
+
+    def agent(rid: str, api: str, stream: bool) -> None:
+        with httpx.Client(timeout=10) as client:
+            while not stop.is_set():
+                body = {"model": "policy", **ROUTES[api][1], "stream": stream}
+                try:
+                    response = client.post(route_url(gateway, rid, api), json=body, headers=headers(rid))
+                except httpx.TransportError:
+                    return
+                if response.status_code != 200:
+                    continue
+                if stream:
+                    last = [line for line in response.text.splitlines() if line.startswith("data: ")][-1]
+                    event = json.loads(last[len("data: ") :])
+                    if event["type"] not in ("message_stop", "response.completed"):
+                        continue  # cut off: not answered
+                    if api == "responses":
+                        answered[rid].add(event["response"]["id"])
+                    else:
+                        start = json.loads(response.text.split("data: ", 2)[1].split("\n", 1)[0])
+                        answered[rid].add(start["message"]["id"])
+                else:
+                    answered[rid].add(response.json()["id"])
+
+    threads = [
+        threading.Thread(target=agent, args=(rid, api, stream))
+        for rid, (api, stream) in zip(
+            rids, [("anthropic", False), ("anthropic", True), ("responses", False), ("responses", True)]
+        )
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while sum(map(len, answered.values())) < 40 and time.monotonic() < deadline:  # traffic in full swing
+        time.sleep(0.05)
+    gateway.kill()
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert all(answered.values()), answered
+    restarted = GatewayProcess(store=store, admin_key=ADMIN_KEY, port=gateway.port).start()
+    try:
+        with httpx.Client(base_url=restarted.url, headers={"x-api-key": ADMIN_KEY}) as admin:
+            for rid, ids in answered.items():
+                records = recorded(admin, rid)
+                kept = {r["api"]["id"] for r in records if r.get("response_token_ids")}
+                assert ids <= kept, (rid, ids - kept)
+    finally:
+        restarted.stop()
