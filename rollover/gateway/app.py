@@ -18,6 +18,7 @@ from rollover import codec
 from rollover.config import GatewaySettings
 from rollover.gateway import auth
 from rollover.gateway.admission import check_attempt, check_writer, enter, json_body, json_object
+from rollover.gateway.apis import anthropic, responses
 from rollover.gateway.asgi import (
     BodyLimitMiddleware,
     GatewayApp,
@@ -299,14 +300,15 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
     # still answer their errors.
     translated = TranslatedRoutes(state)
     hot = (
-        (ANTHROPIC_COUNT_TOKENS_PATH, translated.anthropic_count_tokens),
-        (ANTHROPIC_MESSAGES_PATH, translated.anthropic_messages),
-        (RESPONSES_PATH, translated.responses),  # before the chat route's path, which would match it
-        (PROXY_CALL_PATH, proxy),
-        (EVENTS_PATH, add_event),
+        (ANTHROPIC_COUNT_TOKENS_PATH, translated.anthropic_count_tokens, anthropic.error_body),
+        (ANTHROPIC_MESSAGES_PATH, translated.anthropic_messages, anthropic.error_body),
+        # before the chat route's path, which would match it
+        (RESPONSES_PATH, translated.responses, responses.error_body),
+        (PROXY_CALL_PATH, proxy, None),
+        (EVENTS_PATH, add_event, None),
     )
-    for path, endpoint in hot:
-        app.serve_first(path, endpoint, settings.gateway.max_body_bytes)
+    for path, endpoint, shape in hot:
+        app.serve_first(path, endpoint, settings.gateway.max_body_bytes, shape=shape)
         app.router.routes.insert(0, Route(path, endpoint, methods=["POST"], include_in_schema=False))
     # The controller's batches of new rollouts too (the route above stays, for the schema).
     app.serve_first("/api/rollouts", create_rollouts, settings.gateway.max_body_bytes, check=auth.require_admin)

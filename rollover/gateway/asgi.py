@@ -7,6 +7,7 @@ import inspect
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -49,12 +50,17 @@ class _BodyTooLarge(Exception):
     pass
 
 
-class BodyLimitMiddleware:
-    """Refuses bodies over the limit with 413 before a route parses them."""
+ErrorBody = Callable[[int, str], dict[str, Any]]  # an API's error shape: status, message -> body
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+
+class BodyLimitMiddleware:
+    """Refuses bodies over the limit with 413 before a route parses them (in `shape`, an API's
+    own error shape, when given)."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, shape: ErrorBody | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.shape = shape
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -81,7 +87,11 @@ class BodyLimitMiddleware:
             await self._refuse(scope, receive, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(413, "request too large", f"bodies are limited to {self.max_body_bytes} bytes")
+        reason = f"bodies are limited to {self.max_body_bytes} bytes (gateway.max_body_bytes)"
+        if self.shape is not None:
+            response = JSONResponse(self.shape(413, reason), status_code=413)
+        else:
+            response = error_response(413, "request too large", reason)
         await response(scope, receive, send)
 
 
@@ -95,9 +105,15 @@ class GatewayApp(FastAPI):
     hot: list[tuple[re.Pattern[str], ASGIApp]]  # its parameters are strings (no convertors)
 
     def serve_first(
-        self, path: str, endpoint: Endpoint, max_body_bytes: int, check: Callable[[Request], None] | None = None
+        self,
+        path: str,
+        endpoint: Endpoint,
+        max_body_bytes: int,
+        check: Callable[[Request], None] | None = None,
+        shape: ErrorBody | None = None,
     ) -> None:
-        """POSTs to `path` go to `endpoint`, after `check` (a route's key check) if given."""
+        """POSTs to `path` go to `endpoint`, after `check` (a route's key check) if given; a body
+        over the limit is refused in `shape` if given (an API's error shape)."""
         pattern, _, _ = compile_path(path)
 
         async def serve(scope: Scope, receive: Receive, send: Send) -> None:
@@ -112,7 +128,7 @@ class GatewayApp(FastAPI):
                 response = await self._answer_error(request, exc)
             await response(scope, receive, send)
 
-        self.hot.append((pattern, BodyLimitMiddleware(serve, max_body_bytes)))
+        self.hot.append((pattern, BodyLimitMiddleware(serve, max_body_bytes, shape)))
 
     async def _answer_error(self, request: Request, exc: Exception) -> Response:
         handler = next(h for h in map(self.exception_handlers.get, type(exc).__mro__) if h is not None)

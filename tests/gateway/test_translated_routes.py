@@ -158,3 +158,17 @@ def test_a_killed_gateway_loses_no_answered_call_of_either_api(tmp_path, stub) -
                 assert ids <= kept, (rid, ids - kept)
     finally:
         restarted.stop()
+
+
+@pytest.mark.parametrize("api", list(ROUTES))
+def test_a_body_over_the_limit_is_refused_in_the_apis_shape_before_it_is_parsed(stub, api) -> None:
+    with GatewayThread(store=":memory:", admin_key=ADMIN_KEY, max_body_bytes=1000) as small:
+        with httpx.Client(base_url=small.url, headers={"x-api-key": ADMIN_KEY}) as admin:
+            rid = running_rollout(admin)
+        body = {"model": "policy", **ROUTES[api][1], "padding": "x" * 2000}
+        response = httpx.post(route_url(small, rid, api), json=body, headers=headers(rid))
+    assert response.status_code == 413
+    error = response.json()
+    message = error["error"]["message"]
+    assert "gateway.max_body_bytes" in message
+    assert (error["type"] == "error") if api == "anthropic" else ("type" in error["error"])
