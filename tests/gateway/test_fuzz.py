@@ -7,6 +7,7 @@ rollout, of an old attempt of it and of another rollout."""
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import urllib.parse
 from collections.abc import Iterator
@@ -128,13 +129,17 @@ TEMPLATES: dict[str, Any] = {
 }
 
 
+ATTEMPT_PATH = r"/proxy/rollout/[^/]+/attempt/[^/]+/mode/[^/]+"
+
+
 def error_message(path: str, error: Any) -> str:
-    """The refusal's reason, checked to be in the shape of the API the path serves."""
-    if "/anthropic/" in path:
+    """The refusal's reason, checked to be in the shape of the API the path serves (a path that
+    is no route, such as one with an empty id, gets the router's answer in the gateway's shape)."""
+    if re.fullmatch(ATTEMPT_PATH + r"/anthropic/v1/messages(/count_tokens)?", path):
         assert set(error) == {"type", "error"} and error["type"] == "error", error
         assert set(error["error"]) == {"type", "message"}, error
         return str(error["error"]["message"])
-    if "/openai/v1/responses" in path:
+    if re.fullmatch(ATTEMPT_PATH + r"/openai/v1/responses", path):
         assert set(error) == {"error"} and {"message", "type"} <= set(error["error"]), error
         return str(error["error"]["message"])
     assert set(error) == {"error", "reason"}, error
