@@ -26,7 +26,7 @@ from rollover.gateway.asgi import (
     error_response,
     json_response,
 )
-from rollover.gateway.calls import ProxyCall, UpstreamError
+from rollover.gateway.calls import CALL_ID_HEADER, ProxyCall, UpstreamError
 from rollover.gateway.proxy import ENDPOINTS
 from rollover.gateway.relay import forward_unless_disconnected, relay_stream
 from rollover.gateway.state import GatewayState
@@ -293,7 +293,7 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
             return error_response(exc.status_code, exc.error, exc.reason)
         finally:
             await state.pause.leave()
-        return json_response(raw, status_code)
+        return json_response(raw, status_code, {CALL_ID_HEADER: call.call_id})
 
     # The calls every agent makes skip FastAPI's middleware, router and per-request machinery
     # (parameter solving, response encoding): see GatewayApp. The app's exception handlers

@@ -41,9 +41,9 @@ def error_response(status_code: int, error: str, reason: str, headers: Mapping[s
     return JSONResponse({"error": error, "reason": reason}, status_code=status_code, headers=headers)
 
 
-def json_response(content: bytes | str, status_code: int = 200) -> Response:
+def json_response(content: bytes | str, status_code: int = 200, headers: Mapping[str, str] | None = None) -> Response:
     """A JSON body already encoded (by pydantic or `codec`), sent without FastAPI re-encoding it."""
-    return Response(content, status_code=status_code, media_type="application/json")
+    return Response(content, status_code=status_code, media_type="application/json", headers=headers)
 
 
 class _BodyTooLarge(Exception):

@@ -4,7 +4,8 @@ by the forwarder (`proxy`) and the streamed answer (`streamed`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rollover import codec
@@ -12,6 +13,11 @@ from rollover.gateway.upstream import UpstreamIOError, UpstreamResponse, Upstrea
 from rollover.store.models import ModelEndpoint
 
 Mode = Literal["train", "val"]
+CALL_ID_HEADER = "X-Agl-Call-Id"
+
+
+def new_call_id() -> str:
+    return "call-" + os.urandom(12).hex()
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,10 @@ class ProxyCall:
     # A call made through another API (`gateway.apis`): its record's `api`, the API's name and
     # the id the agent was given. None: the chat or completions route.
     api: dict[str, Any] | None = None
+    # What names the call to the agent (a reward may name it): sent to the engine as the request
+    # id (so a chat answer's `id` is `chatcmpl-<call_id>`), returned in the `X-Agl-Call-Id`
+    # header and recorded as the call's `call_id`. A translated call's is the id its API gives.
+    call_id: str = field(default_factory=new_call_id)
 
 
 class UpstreamError(Exception):

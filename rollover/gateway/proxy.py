@@ -208,9 +208,9 @@ class Forwarder:
             model, policy = served_model(target, call.body.get("model"))
             payload = payloads.get(model)  # by the served name: each policy's request names its own
             if payload is None:
-                payload = payloads[model] = codec.dumps(
-                    prepare_request(call.body, call.endpoint, call.mode, model, self.settings)
-                )
+                request = prepare_request(call.body, call.endpoint, call.mode, model, self.settings)
+                request["request_id"] = call.call_id  # the engine answers with this id
+                payload = payloads[model] = codec.dumps(request)
             try:
                 response = await self._post(f"{target.endpoint.rstrip('/')}/{call.endpoint}", payload)
                 return Sent(target, response, model, policy)
@@ -358,6 +358,7 @@ class Forwarder:
             "policy_version": call.sent.target.policy_version if version is None else version,
             "latency_s": time.monotonic() - call.started,
             "status_code": status_code,
+            "call_id": proxied.call_id,
         }
         if call.sent.policy is not None:  # several policies: which one this call trains
             record["policy"] = call.sent.policy

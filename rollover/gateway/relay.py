@@ -14,7 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from rollover.gateway.asgi import error_response, json_response
-from rollover.gateway.calls import ProxyCall, UpstreamError
+from rollover.gateway.calls import CALL_ID_HEADER, ProxyCall, UpstreamError
 from rollover.gateway.proxy import Forwarder
 from rollover.gateway.streamed import StreamedCall
 
@@ -27,9 +27,12 @@ class RelayedStream(StreamingResponse):
     they arrive; whatever ends the response (the last chunk, the agent hanging up, an error)
     closes the engine call and then counts the call out."""
 
-    def __init__(self, call: StreamedCall, leave: Leave, body: AsyncIterator[bytes] | None = None) -> None:
+    def __init__(
+        self, call: StreamedCall, leave: Leave, body: AsyncIterator[bytes] | None = None, call_id: str | None = None
+    ) -> None:
         chunks = call.chunks() if body is None else body
-        super().__init__(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        headers = {"Cache-Control": "no-cache"} | ({CALL_ID_HEADER: call_id} if call_id else {})
+        super().__init__(chunks, media_type="text/event-stream", headers=headers)
         self._call = call
         self._leave = leave
 
@@ -54,7 +57,7 @@ async def relay_stream(forwarder: Forwarder, call: ProxyCall, leave: Leave) -> R
         await leave()
         raise
     if streamed.status == 200:
-        return RelayedStream(streamed, leave)
+        return RelayedStream(streamed, leave, call_id=call.call_id)
     try:
         raw, _ = await streamed.read()
     except UpstreamError as exc:

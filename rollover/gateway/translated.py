@@ -23,7 +23,7 @@ from rollover import codec
 from rollover.gateway.admission import check_attempt, check_writer, enter, json_object
 from rollover.gateway.apis import anthropic, responses
 from rollover.gateway.apis.common import ApiError, Translation
-from rollover.gateway.calls import ProxyCall, UpstreamError
+from rollover.gateway.calls import CALL_ID_HEADER, ProxyCall, UpstreamError
 from rollover.gateway.relay import RelayedStream, forward_unless_disconnected
 from rollover.gateway.state import GatewayState
 from rollover.store.sqlite import RolloutStore, StoreError
@@ -187,7 +187,8 @@ class TranslatedRoutes:
         refusal = await enter(state)
         if refusal is not None:
             return api_error(shape, 429, f"gateway paused: {refusal.reason}", refusal.headers)
-        call = ProxyCall(rollout_id, attempt_id, mode, "chat/completions", translation.chat_body, api=translation.tag)
+        tag = translation.tag
+        call = ProxyCall(rollout_id, attempt_id, mode, "chat/completions", translation.chat_body, tag, tag["id"])
         remember = (lambda answer: self.contexts.remember(call, answer)) if translation.api == "responses" else None
         if translation.streamed:
             return await self._stream(call, translation, shape, remember)
@@ -201,7 +202,11 @@ class TranslatedRoutes:
             return api_error(shape, status, engine_message(data))
         if remember is not None:
             remember(data)
-        return Response(codec.dumps(translation.answer(data)), media_type="application/json")
+        return Response(
+            codec.dumps(translation.answer(data)),
+            media_type="application/json",
+            headers={CALL_ID_HEADER: call.call_id},
+        )
 
     async def _stream(
         self,
@@ -220,7 +225,7 @@ class TranslatedRoutes:
             await leave()
             raise
         if streamed.status == 200:
-            return RelayedStream(streamed, leave, streamed.events(remember))
+            return RelayedStream(streamed, leave, streamed.events(remember), call.call_id)
         try:
             _, data = await streamed.read()
         except UpstreamError as exc:

@@ -132,7 +132,11 @@ def create_stub_app(behaviour: StubBehaviour) -> FastAPI:
                 _stream(kind, body, prompt_ids, choices, behaviour), media_type="text/event-stream"
             )
         behaviour.completed += 1
-        base = {"id": f"cmpl-{behaviour.completed}", "created": int(time.time()), "model": body.get("model")}
+        base = {
+            "id": _response_id(kind, body, behaviour.completed),
+            "created": int(time.time()),
+            "model": body.get("model"),
+        }
         completion_tokens = sum(len(c.token_ids) for c in choices)
         usage = {
             "prompt_tokens": len(prompt_ids),
@@ -254,6 +258,11 @@ async def _native_events(api: str, choice: _Choice) -> AsyncIterator[bytes]:
     yield event("response.completed", {"response": _native_response(choice, None)})
 
 
+def _response_id(kind: str, body: dict[str, Any], fallback: Any) -> str:
+    """As vLLM names an answer: after the request's `request_id` when it has one."""
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{body.get('request_id') or fallback}"
+
+
 def _chat_logprobs(token_ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
     # As vLLM writes them (OpenAI's clients read `bytes` and `top_logprobs` too).
     return [
@@ -273,7 +282,7 @@ async def _stream(
     then one chunk per token with its id and logprob, the last with the finish reason; usage
     at the end when `stream_options.include_usage` asks for it; then [DONE]."""
     with_ids = bool(body.get("return_token_ids"))
-    base = {"id": "cmpl-stream", "created": int(time.time()), "model": body.get("model")}
+    base = {"id": _response_id(kind, body, "stream"), "created": int(time.time()), "model": body.get("model")}
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     try:
         if kind == "chat":

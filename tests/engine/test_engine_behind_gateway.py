@@ -41,6 +41,8 @@ async def test_recorded_calls_and_weight_update_through_the_gateway(vllm_engine,
             before = call(gateway, rid).json()["choices"][0]["message"]["content"]
             train_reply = call(gateway, rid, mode="train")
             assert train_reply.status_code == 200
+            # vLLM names its answer after the request id the gateway gave it: the call's id.
+            assert train_reply.json()["id"] == "chatcmpl-" + train_reply.headers["x-agl-call-id"]
             [_, train_event] = admin.get(f"/api/rollouts/{rid}/events").json()
             data = train_event["data"]
             version_before = data["policy_version"]
