@@ -52,6 +52,7 @@ from rollover.store.models import (
     last_call_per_prompt,
     trimmed_for_training,
 )
+from rollover.store.rewards import call_key, call_rewards
 from rollover.store.sqlite import RolloutStore
 
 T = TypeVar("T")
@@ -175,11 +176,23 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
                 f"{body.event_type!r} events are written only by the gateway's proxy: make the model call"
                 " through /proxy/rollout/.../openai/v1 and post events of your own types",
             )
+        if body.event_type == "reward" and isinstance(body.data, dict) and "call_id" in body.data:
+            await _check_named_call(body.data["call_id"], rollout_id, attempt_id)
         event_id, created_at = await store.record_event(rollout_id, attempt_id, body.event_type, body.data)
         # As Event.model_dump_json writes it (tested), without building the model.
         event = {"event_id": event_id, "rollout_id": rollout_id, "attempt_id": attempt_id}
         event |= {"event_type": body.event_type, "data": body.data, "created_at": created_at, "timestamp": created_at}
         return json_response(codec.dumps(event), 201)
+
+    async def _check_named_call(call_id: Any, rollout_id: str, attempt_id: str) -> None:
+        """A reward for one turn names a call of its own attempt (`store.rewards`)."""
+        if not isinstance(call_id, str) or not call_id:
+            raise HTTPException(422, "data.call_id: the id of a recorded call (its X-Agl-Call-Id header)")
+        owner = await store.call_owner(call_key(call_id))
+        if owner is None:
+            raise HTTPException(404, f"data.call_id: no call {call_id!r:.100} has been recorded")
+        if owner != (rollout_id, attempt_id):
+            raise HTTPException(403, f"data.call_id: call {call_id!r:.100} is not one of this attempt's")
 
     @app.get("/api/rollouts/{rollout_id}/events", dependencies=rollout_reader)
     async def list_events(
@@ -194,7 +207,8 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         events = await store.list_events(rollout_id, event_type=event_type or None, attempt_id=attempt_id)
         if format == "triplet":  # Agent Lightning's: model requests (trimmed) and rewards
             relevant = [e for e in events if e.event_type in ("model_request", "reward")]
-            kept = [trimmed_for_training(e) for e in last_call_per_prompt(relevant)]
+            rewards = call_rewards(relevant)
+            kept = [trimmed_for_training(e, rewards.get(e.event_id)) for e in last_call_per_prompt(relevant)]
             return json_response(_JSON_LIST.dump_json(kept))
         return json_response(_EVENT_LIST.dump_json(events))
 

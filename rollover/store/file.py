@@ -49,6 +49,13 @@ CREATE TABLE IF NOT EXISTS events (
     created_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_rollout ON events(rollout_id, event_id);
+CREATE TABLE IF NOT EXISTS calls (
+    call_id TEXT PRIMARY KEY,
+    rollout_id TEXT NOT NULL,
+    attempt_id TEXT NOT NULL,
+    event_id INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS calls_rollout ON calls(rollout_id, attempt_id, event_id);
 CREATE TABLE IF NOT EXISTS gateway_state (
     key TEXT PRIMARY KEY,
     value TEXT NOT NULL,

@@ -232,6 +232,10 @@ class Triplet(_Wire):
     response_version_spans: list[tuple[int, int]] | None = None
     # The policy the call asked for (`ModelEndpoint.policies`); None: the run has one policy.
     policy: str | None = None
+    call_id: str | None = None  # what names the call to its agent (`X-Agl-Call-Id`)
+    # The sum of the rewards posted for this call (`store.rewards`: rewards per turn); None:
+    # none. The bundle's `reward` is the outcome.
+    reward: float | None = None
 
 
 class TripletBundle(_Wire):
@@ -346,6 +350,7 @@ TRAINING_FIELDS = (
     "policy_version",
     "latency_s",
     "status_code",
+    "call_id",  # what a reward for this turn names
 )
 
 
@@ -369,8 +374,9 @@ def last_call_per_prompt(events: list[Event]) -> list[Event]:
     return [e for index, e in enumerate(events) if e.event_type != "model_request" or index in kept]
 
 
-def trimmed_for_training(event: Event) -> dict[str, Any]:
-    """`event` as `format=triplet` answers it: a model request without its message bodies.
+def trimmed_for_training(event: Event, reward: float | None = None) -> dict[str, Any]:
+    """`event` as `format=triplet` answers it: a model request without its message bodies,
+    with `reward` (the rewards posted for that call, as Agent Lightning's triplet has it).
 
     Agent Lightning's `format=triplet` model request always has `prompt_token_ids` and
     `response_token_ids` (`[]` when the call gave none, a failed call) and `response_log_probs`
@@ -384,5 +390,6 @@ def trimmed_for_training(event: Event) -> dict[str, Any]:
         data["response_log_probs"] = event.data.get("response_logprobs")
         data["model_version"] = event.data.get("policy_version")
         data["request"], data["response"] = {}, {}  # trimmed: the token ids above are the call
+        data["reward"] = reward
         dumped["data"] = data
     return dumped

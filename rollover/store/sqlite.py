@@ -55,6 +55,7 @@ from rollover.store.models import (
     TripletBundle,
     new_rollout_id,
 )
+from rollover.store.rewards import attribute_rewards
 from rollover.store.rows import (
     attempts_of,
     new_rollout,
@@ -73,6 +74,20 @@ _INSERT_ROLLOUT = (
 _INSERT_EVENT = (
     "INSERT INTO events (event_id, rollout_id, attempt_id, event_type, data, created_at) VALUES (?, ?, ?, ?, ?, ?)"
 )
+# The reward events of the rollouts' last attempts that can be their outcome: none of them lies
+# between the attempt's first and last recorded call (those are per-turn), read with the
+# attempt's calls' span from the small `calls` table (its covering index), not the events.
+_OUTCOME_REWARDS = (
+    "SELECT e.rollout_id, e.data FROM events e"
+    " JOIN rollouts r ON r.rollout_id = e.rollout_id AND r.last_attempt_id = e.attempt_id"
+    " LEFT JOIN (SELECT rollout_id, attempt_id, MIN(event_id) AS first_call, MAX(event_id) AS last_call"
+    " FROM calls WHERE rollout_id IN ({ids}) GROUP BY rollout_id, attempt_id) c"
+    " ON c.rollout_id = e.rollout_id AND c.attempt_id = e.attempt_id"
+    " WHERE e.event_type = 'reward' AND e.rollout_id IN ({ids})"
+    " AND (c.last_call IS NULL OR e.event_id > c.last_call OR e.event_id < c.first_call)"
+    " ORDER BY e.event_id"
+)
+_INSERT_CALL = "INSERT OR REPLACE INTO calls (call_id, rollout_id, attempt_id, event_id) VALUES (?, ?, ?, ?)"
 _UPSERT_STATE = (
     "INSERT INTO gateway_state (key, value, updated_at) VALUES (?, ?, ?)"
     " ON CONFLICT(key) DO UPDATE SET value=excluded.value, updated_at=excluded.updated_at"
@@ -460,7 +475,7 @@ class RolloutStore:
     async def delete_rollout(self, rollout_id: str) -> None:
         def delete(conn: sqlite3.Connection) -> None:
             self.snapshot(rollout_id)
-            for table in ("events", "attempts", "rollouts"):
+            for table in ("calls", "events", "attempts", "rollouts"):
                 conn.execute(f"DELETE FROM {table} WHERE rollout_id=?", (rollout_id,))
             conn.execute(_UPSERT_STATE, (NEXT_EVENT_ID_KEY, str(self._next_event_id), time.time()))
             del self._snapshots[rollout_id]
@@ -486,6 +501,9 @@ class RolloutStore:
         """`add_event` without the wire models (the proxy's path): the event id and time."""
         encoded = _encode(data, "data")
         now = time.time()
+        call_id = data.get("call_id") if event_type == "model_request" and isinstance(data, dict) else None
+        if not isinstance(call_id, str):
+            call_id = None
 
         def add(conn: sqlite3.Connection) -> int:
             rollout = self.snapshot(rollout_id)
@@ -497,10 +515,21 @@ class RolloutStore:
                 raise AttemptNotFound(f"rollout {rollout_id} has no attempt {attempt_id}")
             event_id = self._next_event_id
             conn.execute(_INSERT_EVENT, (event_id, rollout_id, attempt_id, event_type, encoded, now))
-            self._next_event_id += 1  # after the INSERT: a refused one takes no id
+            if call_id is not None:  # a recorded call a reward may name
+                conn.execute(_INSERT_CALL, (call_id, rollout_id, attempt_id, event_id))
+            self._next_event_id += 1  # after the INSERTs: a refused one takes no id
             return event_id
 
         return await self._write(add), now
+
+    async def call_owner(self, call_id: str) -> tuple[str, str] | None:
+        """The rollout and attempt whose recorded call `call_id` is (None: no such call)."""
+
+        def query(conn: sqlite3.Connection) -> tuple[str, str] | None:
+            row = conn.execute("SELECT rollout_id, attempt_id FROM calls WHERE call_id=?", (call_id,)).fetchone()
+            return None if row is None else (row["rollout_id"], row["attempt_id"])
+
+        return await self._read(query)
 
     async def list_events(
         self, rollout_id: str, event_type: str | None = None, attempt_id: str | None = None
@@ -547,15 +576,13 @@ class RolloutStore:
         chosen, events = await self._read(query)
         if chosen is None:
             return TripletBundle(rollout_id=rollout_id, attempt_id=None, reward=None, triplets=[])
-        reward: float | None = None
+        rewards = attribute_rewards((e.event_id, e.event_type, e.data) for e in events)
         triplets: list[Triplet] = []
         for event in events:
             data = event.data if isinstance(event.data, dict) else {}
-            if event.event_type == "reward":
-                reward = reward_value(data, reward)
-            elif event.event_type == "model_request" and data.get("response_token_ids") is not None:
+            if event.event_type == "model_request" and data.get("response_token_ids") is not None:
                 recorded = data.get("choices")  # n > 1: one triplet per choice
-                policy = data.get("policy")
+                policy, call_id = data.get("policy"), data.get("call_id")
                 choices: list[dict[str, Any]] = recorded if isinstance(recorded, list) else [data]
                 triplets.extend(
                     Triplet(
@@ -567,32 +594,29 @@ class RolloutStore:
                         choice_index=position,
                         response_version_spans=choice.get("response_version_spans"),
                         policy=policy if isinstance(policy, str) else None,
+                        call_id=call_id if isinstance(call_id, str) else None,
+                        reward=rewards.per_call.get(event.event_id),
                     )
                     for position, choice in enumerate(choices)
                     if isinstance(choice, dict) and choice.get("response_token_ids") is not None
                 )
-        return TripletBundle(rollout_id=rollout_id, attempt_id=chosen, reward=reward, triplets=triplets)
+        return TripletBundle(rollout_id=rollout_id, attempt_id=chosen, reward=rewards.outcome, triplets=triplets)
 
     async def rewards(self, rollout_ids: Iterable[str]) -> dict[str, float | None]:
-        """The reward of each rollout's last attempt, as `triplets` reads it (last one wins),
-        in one query per 500 rollouts rather than one per rollout."""
+        """The outcome reward of each rollout's last attempt, as `triplets` reads it
+        (`store.rewards`: a reward that names a call, or that another call follows, is that
+        turn's), in one query per 500 rollouts rather than one per rollout."""
         ids = list(rollout_ids)
 
         def query(conn: sqlite3.Connection) -> dict[str, float | None]:
             found: dict[str, float | None] = dict.fromkeys(ids)
             for start in range(0, len(ids), 500):
                 chunk = ids[start : start + 500]
-                rows = conn.execute(
-                    "SELECT e.rollout_id, e.data FROM events e JOIN rollouts r ON r.rollout_id = e.rollout_id"
-                    " AND r.last_attempt_id = e.attempt_id WHERE e.event_type = 'reward'"
-                    f" AND e.rollout_id IN ({','.join('?' * len(chunk))}) ORDER BY e.event_id",
-                    chunk,
-                ).fetchall()
+                rows = conn.execute(_OUTCOME_REWARDS.format(ids=",".join("?" * len(chunk))), chunk * 2).fetchall()
                 for row in rows:
                     data = codec.loads_lenient(row["data"])
-                    found[row["rollout_id"]] = reward_value(
-                        data if isinstance(data, dict) else {}, found[row["rollout_id"]]
-                    )
+                    if isinstance(data, dict) and not isinstance(data.get("call_id"), str):  # named: a turn's
+                        found[row["rollout_id"]] = reward_value(data, found[row["rollout_id"]])
             return found
 
         return await self._read(query)
