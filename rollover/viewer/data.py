@@ -17,6 +17,7 @@ from typing import Any
 
 from rollover.config import ConfigError, RolloverConfig, load_config
 from rollover.store import Event, Rollout, RolloutState, RolloutStore, TripletBundle
+from rollover.store.rewards import call_rewards
 
 STORE_FILE = "store.db"
 METRICS_FILE = "metrics.jsonl"
@@ -196,6 +197,7 @@ class RunFolder:
         siblings = await self.group(_group_of(rollout))
         row = next(s for s in siblings if s["rollout_id"] == rollout_id)
         events = await store.list_events(rollout_id)
+        rewards = call_rewards(events)  # rewards per turn: each call's
         bundle = await store.triplets(rollout_id)
         return {
             **row,
@@ -207,7 +209,7 @@ class RunFolder:
                 for a in rollout.attempts
             ],
             "siblings": siblings,
-            "calls": [_call(e) for e in events if e.event_type == "model_request"],
+            "calls": [_call(e, rewards.get(e.event_id)) for e in events if e.event_type == "model_request"],
             "events": [_event(e) for e in events if e.event_type != "model_request"],
             "samples": self._samples(rollout, row, bundle),
             "trained_attempt": bundle.attempt_id,
@@ -384,8 +386,9 @@ def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _call(event: Event) -> dict[str, Any]:
-    """A recorded call as the page shows it; a malformed record shows as empty fields."""
+def _call(event: Event, reward: float | None = None) -> dict[str, Any]:
+    """A recorded call as the page shows it, with the rewards posted for it (`reward`); a
+    malformed record shows as empty fields."""
     data = _dict(event.data)
     request, response = _dict(data.get("request")), _dict(data.get("response"))
     choices = response.get("choices")
@@ -399,6 +402,8 @@ def _call(event: Event) -> dict[str, Any]:
         "model": data.get("model"),  # the name the engine served it under
         "policy": data.get("policy"),  # several policies: the one the agent asked for
         "policy_version": data.get("policy_version"),
+        "reward": reward,
+        "api": _dict(data.get("api")).get("name"),  # made through the Anthropic or Responses API
         "version_spans": data.get("response_version_spans"),  # partial rollout: [[first token, version], ...]
         "latency_s": data.get("latency_s"),
         "status_code": data.get("status_code"),

@@ -260,3 +260,32 @@ def test_reading_while_a_writer_writes(tmp_path):
     assert not errors, errors
     assert writes > 10
     assert len(seen) > 3 and seen[-1] > seen[0]  # the reader sees the writer's progress
+
+
+def test_each_call_shows_the_rewards_posted_for_its_turn(tmp_path):
+    run_dir = write_run(tmp_path / "run")
+    first = call_event("user what is 2 + 3 ? assistant", "CALL calc(2+3)", 3)
+    second = call_event("user what is 2 + 3 ? assistant CALL calc(2+3) user = 5 assistant", "ANSWER: 5 <eos>", 3)
+
+    async def add(store: RolloutStore) -> None:
+        await store.add_rollouts([RolloutCreate(rollout_id="r-turns", metadata={"data_id": "g3", "enqueued_step": 0})])
+        await store.update_status("r-turns", StatusFields(state=RolloutState.RUNNING, last_attempt_id="a1"))
+        for event, call_id in ((first, "c1"), (second, "c2")):
+            data = event.data | {"call_id": call_id}
+            await store.add_event("r-turns", "a1", EventCreate(event_type="model_request", data=data))
+            await store.add_event("r-turns", "a1", EventCreate(event_type="reward", data={"value": 0.25}))
+        await store.update_status("r-turns", StatusFields(state=RolloutState.SUCCEEDED))
+
+    store = RolloutStore(run_dir / "store.db")
+    try:
+        run(add(store))
+    finally:
+        store.close()
+    folder = RunFolder(run_dir)
+    try:
+        detail = run(folder.rollout("r-turns"))
+    finally:
+        folder.close()
+    # The first reward came mid-rollout: its turn's; the last one, after the last call, is the outcome.
+    assert [c["reward"] for c in detail["calls"]] == [0.25, None]
+    assert detail["reward"] == 0.25

@@ -407,7 +407,7 @@ function versionsText(call) {
 function callView(call, index) {
   const meta = [
     `call ${index + 1}`, `attempt ${call.attempt_id}`, versionsText(call),
-    `${call.mode || ""} ${call.endpoint || ""}`, `latency ${secs(call.latency_s)}`,
+    `${call.mode || ""} ${call.endpoint || ""}${call.api ? ` (via ${call.api})` : ""}`, `latency ${secs(call.latency_s)}`,
     `${call.n_prompt_tokens} prompt + ${call.n_response_tokens} response tokens`,
     call.finish_reason ? `finish: ${call.finish_reason}` : null, call.status_code !== 200 ? `HTTP ${call.status_code}` : null,
   ].filter(Boolean);
@@ -419,8 +419,10 @@ function callView(call, index) {
     body.push(messageView({ role: "completion", content: call.response_text }, "response"));
   }
   if (call.error) body.push(el("div", { class: "error" }, JSON.stringify(call.error)));
+  const reward = call.reward === null || call.reward === undefined ? null
+    : el("span", { class: "reward-marker", title: "the rewards posted for this turn" }, `reward ${fmt(call.reward)}`);
   return el("div", { class: "card call", dataset: { call: call.event_id } },
-    el("div", { class: "meta" }, meta.map((m) => el("span", {}, m))), body,
+    el("div", { class: "meta" }, meta.map((m) => el("span", {}, m)), reward), body,
     call.tools ? el("details", {}, el("summary", {}, "tools offered"), el("pre", { class: "json" }, JSON.stringify(call.tools, null, 1))) : null,
     el("details", {}, el("summary", {}, "request parameters"), el("pre", { class: "json" }, JSON.stringify(call.params, null, 1))));
 }
