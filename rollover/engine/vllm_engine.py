@@ -31,11 +31,11 @@ from typing import Any, Literal
 
 import httpx
 
+from rollover.adapter_folder import policy_adapters
 from rollover.engine.tool_calls import resolve_tool_call_parser
 from rollover.gateway.client import GatewayClient, GatewayError, NotFoundError, is_transient
 from rollover.processes import child_pids, free_port, port_taken, stop_supervised_group, tail_lines
 from rollover.retry import RetryPolicy, call_with_retries
-from rollover.training.adapters import policy_adapters
 
 log = logging.getLogger(__name__)
 
