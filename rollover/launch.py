@@ -103,7 +103,7 @@ def run_training_reporting_errors(config: RolloverConfig, world: World, follower
     config still raises `ConfigError`/`ValueError` (the caller's exit code 2)."""
     import httpx
 
-    from rollover.engine.vllm_engine import EngineError
+    from rollover.engine.server import EngineError
     from rollover.gateway.server import GatewayDied
     from rollover.training.trainer import DrainTimeout, RolloutsFailing
 
