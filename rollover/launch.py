@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollover.config import ConfigError, GatewaySettings, RolloverConfig, check_async_rollout, dump_config
+from rollover.config import ConfigError, GatewaySettings, RolloverConfig, dump_config
 from rollover.distributed.world import World
 
 if TYPE_CHECKING:
@@ -86,7 +86,6 @@ def run_training(
     """The whole system for one run, on rank 0 of `world`; on several ranks `followers` are the
     others (`rollover.ranks`). `engine`: an already running `VLLMEngine` serving the same
     tokenizer (tests share one across runs); its weights are reset to the run's model."""
-    check_async_rollout(config)
     world = world or World()
     if world.distributed and followers is None:
         raise ValueError(f"rank 0 of {world.size} needs the other ranks' followers (rollover.ranks)")
@@ -139,8 +138,10 @@ async def _run(
     from rollover.metrics.console import LiveConsole, RunSummary
     from rollover.training.data import read_tasks
     from rollover.training.policy import Policy
+    from rollover.training.settings import TrainerSettings
     from rollover.training.trainer import Trainer
 
+    trainer_settings = TrainerSettings.from_config(config)  # its rules checked before anything starts
     train_tasks = read_tasks(_required(config.data.train_files, "data.train_files"))
     val_tasks = read_tasks(config.data.val_files) if config.data.val_files else []
     model_path = _required(config.actor_rollout_ref.model.path, "actor_rollout_ref.model.path")
@@ -199,9 +200,9 @@ async def _run(
             trainer_policy, weight_sync = followers.lead(policy, weight_sync)
         async with Controller(config, client, log_dir=run_dir / "agent_logs") as controller:
             trainer = Trainer(
-                config=config,
+                settings=trainer_settings,
                 client=client,
-                policy=trainer_policy,
+                actor=trainer_policy,
                 weight_sync=weight_sync,
                 train_tasks=train_tasks,
                 val_tasks=val_tasks,
@@ -286,7 +287,7 @@ def _checkpoint_version(checkpoint: Path | None) -> int:
 def _restore(trainer: Any, policy: Any, checkpoint: Path) -> None:
     """The trainer's state, then the model and optimizer: sharded (any number of ranks), or
     an older run's `optimizer.pt` (its model is the folder the policy was loaded from)."""
-    from rollover.training.trainer import TRAINING_STATE
+    from rollover.training.checkpoint import TRAINING_STATE
 
     trainer.load_state_dict(json.loads((checkpoint / "trainer_state.json").read_text()))
     if (checkpoint / TRAINING_STATE).is_dir():
