@@ -13,14 +13,28 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from rollover.config import ConfigError, GatewaySettings, RolloverConfig, check_async_rollout, dump_config
+from rollover.config import ConfigError, GatewaySettings, RolloverConfig, dump_config
 from rollover.distributed.world import World
 
 if TYPE_CHECKING:
-    from rollover.distributed.commands import CommandChannel
     from rollover.engine.vllm_engine import VLLMEngine
+
+
+class Followers(Protocol):
+    """The other trainer ranks, as rank 0 drives them (`rollover.ranks.commands.Leader`): told
+    where the run is, then of every collective step of the trainer's policy and weight sync."""
+
+    def hello(self, model_path: str, run_dir: str, gateway_url: str, admin_key: str, policy_version: int) -> None: ...
+
+    def lead(self, policy: Any, weight_sync: Any) -> tuple[Any, Any]:
+        """The trainer's policy and weight sync, each call first announced to the other ranks."""
+        ...
+
+    def barrier(self) -> None: ...
+
+    def stop(self, reason: str) -> None: ...
 
 
 def import_object(spec: str, key: str) -> Any:
@@ -63,36 +77,37 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return checkpoint if (checkpoint / "trainer_state.json").is_file() else None
 
 
-def run_training(config: RolloverConfig, engine: VLLMEngine | None = None, world: World | None = None) -> int:
-    """The whole system for one run, on rank 0 of `world` (the other ranks follow it, see
-    `rollover.distributed`). `engine`: an already running `VLLMEngine` serving the same
+def run_training(
+    config: RolloverConfig,
+    engine: VLLMEngine | None = None,
+    world: World | None = None,
+    followers: Followers | None = None,
+) -> int:
+    """The whole system for one run, on rank 0 of `world`; on several ranks `followers` are the
+    others (`rollover.ranks`). `engine`: an already running `VLLMEngine` serving the same
     tokenizer (tests share one across runs); its weights are reset to the run's model."""
-    check_async_rollout(config)
     world = world or World()
-    channel = None
-    if world.distributed:
-        from rollover.distributed.commands import CommandChannel, Stop
-
-        channel = CommandChannel()
+    if world.distributed and followers is None:
+        raise ValueError(f"rank 0 of {world.size} needs the other ranks' followers (rollover.ranks)")
     try:
         config = apply_setup_hook(config)
-        return asyncio.run(_run(config, engine, world, channel))
+        return asyncio.run(_run(config, engine, world, followers))
     finally:
-        if channel is not None:
-            channel.send(Stop("rank 0 is done"))
+        if followers is not None:
+            followers.stop("rank 0 is done")
 
 
-def run_training_reporting_errors(config: RolloverConfig, world: World) -> int:
+def run_training_reporting_errors(config: RolloverConfig, world: World, followers: Followers | None = None) -> int:
     """`run_training`, with what ends a run told in one line on stderr (exit code 1); a bad
     config still raises `ConfigError`/`ValueError` (the caller's exit code 2)."""
     import httpx
 
-    from rollover.engine.vllm_engine import EngineError
+    from rollover.engine.server import EngineError
     from rollover.gateway.server import GatewayDied
     from rollover.training.trainer import DrainTimeout, RolloutsFailing
 
     try:
-        return run_training(config, world=world)
+        return run_training(config, world=world, followers=followers)
     except EngineError as exc:
         print(f"rollover train: the inference engine failed: {exc}", file=sys.stderr)
         return 1
@@ -111,10 +126,9 @@ def _required(value: str | None, key: str) -> str:
 
 
 async def _run(
-    config: RolloverConfig, shared_engine: VLLMEngine | None, world: World, channel: CommandChannel | None
+    config: RolloverConfig, shared_engine: VLLMEngine | None, world: World, followers: Followers | None
 ) -> int:
     from rollover.controller import Controller
-    from rollover.distributed.commands import Hello, LeaderPolicy, LeaderWeightSync
     from rollover.engine.pool import node_engines, register_all, wait_all_ready
     from rollover.engine.watchdog import EngineWatchdog
     from rollover.engine.weight_sync import engine_weight_sync
@@ -124,8 +138,10 @@ async def _run(
     from rollover.metrics.console import LiveConsole, RunSummary
     from rollover.training.data import read_tasks
     from rollover.training.policy import Policy
+    from rollover.training.settings import TrainerSettings
     from rollover.training.trainer import Trainer
 
+    trainer_settings = TrainerSettings.from_config(config)  # its rules checked before anything starts
     train_tasks = read_tasks(_required(config.data.train_files, "data.train_files"))
     val_tasks = read_tasks(config.data.val_files) if config.data.val_files else []
     model_path = _required(config.actor_rollout_ref.model.path, "actor_rollout_ref.model.path")
@@ -166,9 +182,8 @@ async def _run(
         # Cleared before other nodes hear of the gateway, so their engines' registrations stay.
         await client.clear_models()
         await client.resume()
-        if channel is not None:
-            policy_version = _checkpoint_version(checkpoint)
-            channel.send(Hello(model_path, str(run_dir), gateway_url, admin_key, policy_version))
+        if followers is not None:
+            followers.hello(model_path, str(run_dir), gateway_url, admin_key, _checkpoint_version(checkpoint))
         if shared_engine is None:
             for engine in engines:
                 engine.start()
@@ -181,13 +196,13 @@ async def _run(
         locks = [asyncio.Lock() for _ in engines]
         weight_sync: Any = engine_weight_sync(config, engines, run_dir / "weights" / f"node{world.node_rank}", locks)
         trainer_policy: Any = policy
-        if channel is not None:
-            trainer_policy, weight_sync = LeaderPolicy(policy, channel), LeaderWeightSync(weight_sync, channel)
+        if followers is not None:
+            trainer_policy, weight_sync = followers.lead(policy, weight_sync)
         async with Controller(config, client, log_dir=run_dir / "agent_logs") as controller:
             trainer = Trainer(
-                config=config,
+                settings=trainer_settings,
                 client=client,
-                policy=trainer_policy,
+                actor=trainer_policy,
                 weight_sync=weight_sync,
                 train_tasks=train_tasks,
                 val_tasks=val_tasks,
@@ -197,10 +212,10 @@ async def _run(
             )
             if live is not None:
                 trainer.progress = policy.progress = live
-            if channel is not None:
+            if followers is not None:
                 # Every node's engines serve, and the other ranks now take commands: before the
                 # restore, whose LoadTrainingState they must be listening for.
-                await asyncio.to_thread(channel.barrier)
+                await asyncio.to_thread(followers.barrier)
             if checkpoint is not None:
                 _restore(trainer, trainer_policy, checkpoint)
                 stranded = await trainer.reconcile_after_restart()
@@ -272,7 +287,7 @@ def _checkpoint_version(checkpoint: Path | None) -> int:
 def _restore(trainer: Any, policy: Any, checkpoint: Path) -> None:
     """The trainer's state, then the model and optimizer: sharded (any number of ranks), or
     an older run's `optimizer.pt` (its model is the folder the policy was loaded from)."""
-    from rollover.training.trainer import TRAINING_STATE
+    from rollover.training.checkpoint import TRAINING_STATE
 
     trainer.load_state_dict(json.loads((checkpoint / "trainer_state.json").read_text()))
     if (checkpoint / TRAINING_STATE).is_dir():

@@ -2,8 +2,9 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from rollover.config import ConfigError, RolloverConfig, check_async_rollout, load_config
+from rollover.config import ConfigError, RolloverConfig, load_config
 from rollover.config_yaml import config_yaml, default_config_text
+from rollover.training.settings import TrainerSettings
 
 
 def test_defaults_match_the_seed():
@@ -60,7 +61,7 @@ def test_async_window_must_exceed_the_batch(window):
     if window is not None:
         overrides.append(f"agentlightning.async_rollout.async_train_batch_size={window}")
     with pytest.raises(ValueError) as excinfo:
-        check_async_rollout(load_config(None, overrides))
+        TrainerSettings.from_config(load_config(None, overrides))
     message = str(excinfo.value)
     assert (
         "async_train_batch_size" in message
@@ -70,7 +71,7 @@ def test_async_window_must_exceed_the_batch(window):
 
 
 def test_async_window_ok():
-    check_async_rollout(
+    TrainerSettings.from_config(
         load_config(
             None,
             [
@@ -120,13 +121,13 @@ def test_loading_refuses_a_bad_async_window_in_one_line():
     assert "async_train_batch_size=None, train_batch_size=8" in message and "\n" not in message
 
 
-def test_the_rule_is_checked_again_after_a_nested_assignment():
+def test_the_trainers_settings_check_the_rule_after_a_nested_assignment():
     config = load_config(None, ["data.train_batch_size=8"])
     config.agentlightning.async_rollout.enabled = True  # pydantic does not re-run the root validator
     with pytest.raises(ValueError, match="async_train_batch_size=None, train_batch_size=8"):
-        check_async_rollout(config)
+        TrainerSettings.from_config(config)
     config.agentlightning.async_rollout.async_train_batch_size = 16
-    check_async_rollout(config)
+    TrainerSettings.from_config(config)
 
 
 # -- Agent Lightning's names --------------------------------------------------------------

@@ -76,17 +76,18 @@ def train(args: argparse.Namespace) -> int:
     from rollover.distributed.world import World
 
     if World.from_env().distributed:
-        from rollover.distributed.__main__ import main as rank_main
+        from rollover.ranks.rank import main as rank_main
 
+        configure_logging()
         return rank_main([*([args.config] if args.config else []), *args.overrides])
     if config.world_size > 1:
         if config.trainer.nnodes > 1:
             raise UsageError(
                 f"trainer.nnodes={config.trainer.nnodes}: start every node with torchrun "
                 f"--nnodes {config.trainer.nnodes} --nproc-per-node {config.trainer.n_gpus_per_node} "
-                "--rdzv-backend c10d --rdzv-endpoint HOST:PORT -m rollover.distributed CONFIG [key=value ...]"
+                "--rdzv-backend c10d --rdzv-endpoint HOST:PORT -m rollover.ranks CONFIG [key=value ...]"
             )
-        from rollover.distributed.launcher import launch_single_node
+        from rollover.ranks.launcher import launch_single_node
 
         return launch_single_node(config.trainer.n_gpus_per_node, args.config, args.overrides)
     from rollover.launch import run_training_reporting_errors
@@ -149,11 +150,14 @@ def model_warmup(args: argparse.Namespace) -> int:
 def model_merge(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rollover.training import adapters, lora
+    from rollover import adapter_folder
+    from rollover.training import lora
 
     given = Path(args.checkpoint)
-    adapter = next((d for d in (given, given / "model") if adapters.is_adapter(d)), None)
-    policies = {name: d for folder in (given, given / "model") for name, d in adapters.policy_adapters(folder).items()}
+    adapter = next((d for d in (given, given / "model") if adapter_folder.is_adapter(d)), None)
+    policies = {
+        name: d for folder in (given, given / "model") for name, d in adapter_folder.policy_adapters(folder).items()
+    }
     if adapter is None and policies:  # a run of several policies: one is merged at a time
         if args.policy is None:
             raise UsageError(
@@ -165,7 +169,9 @@ def model_merge(args: argparse.Namespace) -> int:
     elif args.policy is not None:
         raise UsageError(f"{given} holds the adapter of a run with one policy: leave --policy out")
     if adapter is None:
-        raise UsageError(f"{given} holds no LoRA adapter (no {adapters.ADAPTER_CONFIG} in it or in {given / 'model'})")
+        raise UsageError(
+            f"{given} holds no LoRA adapter (no {adapter_folder.ADAPTER_CONFIG} in it or in {given / 'model'})"
+        )
     try:
         print(lora.merge(adapter, args.out))
     except FileNotFoundError as exc:

@@ -113,12 +113,5 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return config
 
 
-def check_async_rollout(config: RolloverConfig) -> None:
-    """The seed's async batch-size rule, checked again (the Trainer does, at construction):
-    assigning a nested key (`config.agentlightning.async_rollout.enabled = True`) does not
-    re-run `RolloverConfig`'s validators. Raises `ValueError` naming both keys and values."""
-    config.check_async_window()
-
-
 def dump_config(config: RolloverConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

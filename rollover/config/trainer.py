@@ -53,12 +53,6 @@ class TrainerConfig(Section):
     )
     seed: int = Field(default=0, description="seed of the update's mini-batch shuffling (and of a fresh LoRA adapter)")
 
-    def steps(self, n_train_tasks: int, train_batch_size: int) -> int:
-        """Updates of the run: total_training_steps, else total_epochs passes over the tasks."""
-        if self.total_training_steps is not None:
-            return self.total_training_steps
-        return (self.total_epochs or 1) * max(1, -(-n_train_tasks // train_batch_size))
-
     @property
     def run_dir(self) -> Path:
         return Path(self.default_local_dir) / self.experiment_name

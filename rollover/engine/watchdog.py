@@ -17,7 +17,7 @@ import asyncio
 import logging
 from typing import Protocol
 
-from rollover.engine.vllm_engine import EngineError
+from rollover.engine.server import EngineError
 
 log = logging.getLogger("rollover.engine")
 

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rollover.store.sqlite import StoreError
+from rollover.store.errors import StoreError
 
 log = logging.getLogger("rollover.gateway")
 Endpoint = Callable[[Request], Awaitable[Response]]

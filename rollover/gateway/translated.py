@@ -26,7 +26,8 @@ from rollover.gateway.apis.common import ApiError, Translation
 from rollover.gateway.calls import CALL_ID_HEADER, ProxyCall, UpstreamError
 from rollover.gateway.relay import RelayedStream, forward_unless_disconnected
 from rollover.gateway.state import GatewayState
-from rollover.store.sqlite import RolloutStore, StoreError
+from rollover.store.errors import StoreError
+from rollover.store.sqlite import RolloutStore
 
 log = logging.getLogger("rollover.gateway.translated")
 

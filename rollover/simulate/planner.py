@@ -13,7 +13,8 @@ from typing import Any
 
 from rollover.config import load_config
 from rollover.simulate.distributions import Distribution
-from rollover.simulate.world import EPS, SimulatedBackend, SimulatedGateway, VirtualPolicy, VirtualWeightSync
+from rollover.simulate.world import EPS, SimulatedBackend, SimulatedGateway, VirtualActor, VirtualWeightSync
+from rollover.training.settings import TrainerSettings
 from rollover.training.trainer import Trainer
 
 DEFAULT_WINDOWS = (1.25, 1.5, 2.0, 3.0, 4.0)
@@ -97,9 +98,9 @@ class Simulation:
         config = load_config(None, overrides)
         tasks = [{"id": f"task-{i}"} for i in range(max(window or 0, scenario.batch_size))]
         self.trainer = Trainer(
-            config=config,
+            settings=TrainerSettings.from_config(config),
             client=self.gateway,  # type: ignore[arg-type]
-            policy=VirtualPolicy(self.backend, scenario.update_seconds),
+            actor=VirtualActor(self.backend, scenario.update_seconds),
             weight_sync=VirtualWeightSync(self.backend, scenario.sync_seconds),
             train_tasks=tasks,
             backend=self.backend,
@@ -113,8 +114,8 @@ class Simulation:
         consumed_rollouts = sum(m["training/async/n_completed_rollouts"] for m in history)
         ages = [c.age_steps for c in self.gateway.consumed]
         return SimulationResult(
-            window=self.trainer.window_size,
-            async_enabled=self.trainer.async_enabled,
+            window=self.trainer.settings.window,
+            async_enabled=self.trainer.settings.async_enabled,
             steps=len(history),
             wall_seconds=wall,
             updates_per_hour=len(history) * 3600.0 / wall if wall > 0 else math.inf,

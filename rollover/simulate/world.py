@@ -271,7 +271,7 @@ class SimulatedGateway:
         )
 
 
-class VirtualPolicy:
+class VirtualActor:
     """An update that takes `update_seconds` of virtual time and learns nothing."""
 
     tokenizer: Any = None

@@ -1,5 +1,6 @@
 """The rollout store: rollouts, attempts and events (SQLite WAL by default)."""
 
+from rollover.store.errors import AttemptNotFound, IllegalTransition, RolloutNotFound, StoreError
 from rollover.store.models import (
     Attempt,
     Event,
@@ -13,13 +14,7 @@ from rollover.store.models import (
     Triplet,
     TripletBundle,
 )
-from rollover.store.sqlite import (
-    AttemptNotFound,
-    IllegalTransition,
-    RolloutNotFound,
-    RolloutStore,
-    StoreError,
-)
+from rollover.store.sqlite import RolloutStore
 
 __all__ = [
     "Attempt",

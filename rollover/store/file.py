@@ -1,15 +1,21 @@
-"""The SQLite file under the rollout store: its schema, how connections are opened, the
-record of a write waiting for its group commit, and the thread that checkpoints the WAL.
-`rollover.store.sqlite` builds the store on these."""
+"""The SQLite file under the rollout store and how the store reaches it: its schema, how
+connections are opened, writes committed in groups on the event loop (`StoreFile.write`),
+reads on a thread of their own (`StoreFile.read`), and the thread that checkpoints the WAL.
+`rollover.store.sqlite` builds the store's state machine on these."""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
 import threading
+import urllib.parse
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, TypeVar
+
+from rollover.store.errors import StoreError
 
 T = TypeVar("T")
 
@@ -145,3 +151,140 @@ class Checkpointer:
         self._wake.set()
         self._thread.join()
         self._conn.close()
+
+
+class StoreFile:
+    """The store's file (`path=":memory:"`: one connection in memory), written in group commits
+    on the event loop and read on a thread with a connection of its own.
+
+    `read_only=True` opens an existing file with SQLite's `mode=ro`: no schema or journal-mode
+    writes, and any write raises. A WAL reader never blocks the writer. `on_rollback` is told
+    (with the write connection) when a group commit failed part way and was rolled back, so the
+    caller can reload what it keeps in memory from the file.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        synchronous: str = "NORMAL",
+        read_only: bool = False,
+        on_rollback: Callable[[sqlite3.Connection], None] = lambda conn: None,
+    ) -> None:
+        self.path = str(path)
+        self.read_only = read_only
+        self._on_rollback = on_rollback
+        in_memory = self.path == ":memory:"
+        if read_only and (in_memory or not Path(self.path).is_file()):
+            raise StoreError(f"read-only store {self.path} does not exist")
+        if read_only:
+            uri = f"file:{urllib.parse.quote(str(Path(self.path).resolve()))}?mode=ro"
+            self.conn = connect(uri, synchronous, uri=True)
+        else:
+            if not in_memory:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            uri = self.path
+            self.conn = connect(uri, synchronous)
+            if not in_memory:
+                self.conn.execute("PRAGMA journal_mode=WAL")
+                self.conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer's job
+            self.conn.executescript(SCHEMA)
+        self._pending: list[PendingWrite[Any]] = []
+        self._flush_loop: asyncio.AbstractEventLoop | None = None  # where a flush is scheduled
+        self._lock = threading.Lock()  # the store is meant for one event loop; this makes two safe
+        self._closed = False
+        # A file has a reader thread with its own connection (WAL readers never wait for the
+        # writer), and a checkpointer; in memory there is one connection, used on the loop.
+        self._reader: ThreadPoolExecutor | None = None
+        self._checkpointer: Checkpointer | None = None
+        if not in_memory:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollover-store-read")
+            self._read_conn = connect(uri, synchronous, uri=read_only)
+        if not in_memory and not read_only:
+            self._checkpointer = Checkpointer(self.path, synchronous)
+
+    def close(self) -> None:
+        """Commits what is pending, then closes the file."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        while self._pending:
+            self._flush()
+        if self._reader is not None:
+            self._reader.submit(self._read_conn.close).result()
+            self._reader.shutdown()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+        self.conn.close()  # the last connection out checkpoints the WAL
+
+    # -- writing: group commit on the event loop ------------------------------------------
+
+    async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Runs `fn` in the next group commit and returns once that commit is done."""
+        loop = asyncio.get_running_loop()
+        write = PendingWrite(fn=fn, loop=loop, future=loop.create_future())
+        with self._lock:
+            if self._closed:
+                raise StoreError("the store is closed")
+            self._pending.append(write)
+            if self._flush_loop is not loop:
+                self._flush_loop = loop
+                loop.call_soon(self._flush)
+        return await write.future
+
+    def _flush(self) -> None:
+        """Commits everything written since the last flush as one transaction, then answers.
+
+        It runs on the event loop: with synchronous=NORMAL a WAL commit is a write() to the
+        page cache, cheaper than handing the work to a thread and back (measured: 52 vs 181 µs
+        per event alone, 16k vs 3.8k events/s at 16 concurrent, where the thread waited for the
+        GIL). synchronous=FULL adds an fsync per group commit here."""
+        current = running_loop()
+        with self._lock:
+            batch, self._pending = self._pending[:MAX_GROUP], self._pending[MAX_GROUP:]
+            self._flush_loop = None
+            if self._pending and current is not None:  # more than a group's worth: the rest next
+                self._flush_loop = current
+                current.call_soon(self._flush)
+            if batch:
+                self._commit_group(batch)
+        for write in batch:
+            write.settle(current)
+
+    def _commit_group(self, writes: list[PendingWrite[Any]]) -> None:
+        """All `writes` in one transaction. A write refuses (a `StoreError`: an illegal
+        transition, an unknown attempt) before it touches the file, so a refusal leaves the
+        others; any other failure may have left a write half done, and then none of the group
+        is kept and `on_rollback` reloads what the caller keeps in memory. A write changes the
+        caller's memory only after its SQL succeeded."""
+        conn = self.conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for write in writes:
+                try:
+                    write.outcome = (True, write.fn(conn))
+                except StoreError as exc:
+                    write.outcome = (False, exc)
+            conn.execute("COMMIT")
+        except Exception as exc:
+            for write in writes:
+                write.outcome = (False, exc)
+            try:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                self._on_rollback(conn)
+            except sqlite3.Error:  # the file is failing: the next write finds out again
+                pass
+            return
+        if self._checkpointer is not None:
+            self._checkpointer.committed()
+
+    # -- reading --------------------------------------------------------------------------
+
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        if self._closed:
+            raise StoreError("the store is closed")
+        if self._reader is None:
+            return fn(self.conn)
+        return await asyncio.get_running_loop().run_in_executor(self._reader, fn, self._read_conn)

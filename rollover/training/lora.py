@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
+from rollover.adapter_folder import ADAPTER_WEIGHTS
 from rollover.config import ConfigError
 from rollover.config.actor_rollout_ref import ModelConfig
 from rollover.distributed import sharding
-from rollover.training.adapters import ADAPTER_WEIGHTS
 
 SINGLE = "default"  # PEFT's name for a model's only adapter
 

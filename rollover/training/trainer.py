@@ -1,9 +1,13 @@
-"""The training loop: window top-up → rollout → pause/drain → update → weight sync (SPEC §4)."""
+"""The training loop: window top-up → rollout → pause/drain → update → weight sync (SPEC §4).
+
+Its rooms: the window of groups (`manager`), the gateway around an update (`drain`), a step's
+samples (`collect`), the update itself (`Actor.update`, see `actor`), checkpoints
+(`checkpoint`); its settings are `settings.TrainerSettings`, built once from the config.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import statistics
@@ -13,17 +17,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from rollover.config import RolloverConfig, check_async_rollout
-from rollover.gateway.client import GatewayClient, is_transient
+from rollover.gateway.client import GatewayClient
 from rollover.metrics import MetricsLogger, summarize
 from rollover.metrics.progress import NullProgress, Progress
-from rollover.retry import RetryPolicy, call_with_retries
 from rollover.store.models import ProxyState, RolloutState
+from rollover.training.checkpoint import save_checkpoint
+from rollover.training.collect import collect_samples, rollout_reward
 from rollover.training.data import PromptLoader
-from rollover.training.gateway_counts import unhonoured_metrics
+from rollover.training.drain import DrainTimeout, GatewayPause
 from rollover.training.loss.kl import adaptive_kl_coef
 from rollover.training.manager import (
     AsyncRolloutManager,
+    GatewayBackend,
     GroupedResult,
     GroupFilter,
     Prompt,
@@ -32,15 +37,13 @@ from rollover.training.manager import (
     group_by_data_id,
 )
 from rollover.training.partial import oldest_token_version, spanning_metrics
-from rollover.training.samples import RolloutScore, Sample, UpdateBatch, build_samples
+from rollover.training.samples import UpdateBatch
 from rollover.training.schedule import lr_factor, warmup_steps
+from rollover.training.settings import TrainerSettings
+
+__all__ = ["DrainTimeout", "RolloutsFailing", "Trainer"]
 
 log = logging.getLogger("rollover.trainer")
-TRAINING_STATE = "training_state"  # a checkpoint's sharded model and optimizer (torch.distributed.checkpoint)
-
-
-class DrainTimeout(RuntimeError):
-    """The gateway did not drain in `gateway.drain_timeout_seconds`."""
 
 
 class RolloutsFailing(RuntimeError):
@@ -54,10 +57,12 @@ class WeightSync(Protocol):
 
     async def before_update(self) -> None: ...
 
-    async def sync(self, policy: Any, version: int) -> None: ...
+    async def sync(self, actor: Any, version: int) -> None: ...
 
 
-class PolicyLike(Protocol):
+class ActorLike(Protocol):
+    """The trained model as the loop sees it (`actor.Actor`, or rank 0's `LeaderActor`)."""
+
     tokenizer: Any
 
     def update(
@@ -71,9 +76,9 @@ class PolicyLike(Protocol):
 
 @dataclass
 class Trainer:
-    config: RolloverConfig
+    settings: TrainerSettings
     client: GatewayClient
-    policy: PolicyLike
+    actor: ActorLike
     weight_sync: WeightSync
     train_tasks: list[dict[str, Any]]
     val_tasks: list[dict[str, Any]] = field(default_factory=list)
@@ -86,68 +91,51 @@ class Trainer:
     world_size: int = 1  # trainer ranks taking part in each update
 
     def __post_init__(self) -> None:
-        check_async_rollout(self.config)
-        from rollover.training.manager import GatewayBackend
-
-        rollout_config = {"timeout_seconds": self.config.agentlightning.rollout_timeout_seconds}
+        settings = self.settings
+        rollout_config = {"timeout_seconds": settings.rollout_timeout_seconds}
         self._backend: RolloutBackend = self.backend or GatewayBackend(self.client, rollout_config, self.poll_interval)
         self.backend = self._backend
         self.manager = AsyncRolloutManager(
             self._backend,
-            self.config.actor_rollout_ref.rollout.n,
+            settings.rollout_n,
             on_poll=lambda window: self.progress.rollout_wait(window),
             group_filter=self._group_filter(),
         )
-        self.loader = PromptLoader(self.train_tasks, seed=self.config.data.seed)
-        self.kl_coef = self.config.algorithm.kl_ctrl.kl_coef  # KL in the reward; adaptive: moves
+        self.loader = PromptLoader(self.train_tasks, seed=settings.data_seed)
+        self.kl_coef = settings.kl_in_reward.initial_coef  # KL in the reward; adaptive: moves
         self._bundles: dict[str, Any] = {}  # triplet bundles the group filter fetched, by rollout id
-        self.rng = random.Random(self.config.trainer.seed)
+        self.rng = random.Random(settings.seed)
         self._carry_over_rollouts: list[TrackedRollout] = []
         self._failed_steps = 0  # steps in a row whose every completed rollout failed
         self.global_step = 0
         self.policy_version = 0
         self.history: list[dict[str, float]] = []
-        self._paused_at: float | None = None
-        # Length of the last pause (pause -> resume): the next pause is announced as lasting
-        # about as long, so refused agents come back when it ends, not Retry-After later.
-        self._last_pause_seconds: float | None = None
-        self._boundary_counts: ProxyState | None = None  # the gateway's, as the last rollout ended
-        # The gateway's totals at this step's pause and at the one before (`gateway_counts`).
-        self._gateway_counts: ProxyState | None = None
-        self._gateway_counts_before: ProxyState | None = None
+        self.gateway = GatewayPause(
+            self.client,
+            partial_rollout=settings.partial_rollout,
+            retry_after_seconds=settings.retry_after_seconds,
+            drain_timeout_seconds=settings.drain_timeout_seconds,
+            clock=self.clock,
+        )
 
     # -- the window -----------------------------------------------------------------------
-
-    @property
-    def async_enabled(self) -> bool:
-        return self.config.agentlightning.async_rollout.enabled
-
-    @property
-    def partial_rollout(self) -> bool:
-        """Updates neither drain nor refuse agent calls (`async_rollout.partial_rollout`)."""
-        return self.async_enabled and self.config.agentlightning.async_rollout.partial_rollout
-
-    @property
-    def window_size(self) -> int:
-        window = self.config.agentlightning.async_rollout.async_train_batch_size
-        return window if self.async_enabled and window is not None else self.config.data.train_batch_size
 
     def _next_train_batch_dict_for_rollout(self) -> list[Prompt]:
         """New prompts that top the active window back up to `async_train_batch_size` groups."""
         n_carry_over = len(group_by_data_id(self._carry_over_rollouts))
-        n_new = self.window_size - n_carry_over
+        n_new = self.settings.window - n_carry_over
         return self.loader.take(max(n_new, 0))
 
     async def _apply_staleness_cap(self) -> int:
         """Abort carry-over groups older than `max_carry_over_age_steps`; re-queue their prompts."""
-        cap = self.config.agentlightning.async_rollout.max_carry_over_age_steps
+        cap = self.settings.max_carry_over_age_steps
         if cap is None or not self._carry_over_rollouts:
             return 0
         kept: list[TrackedRollout] = []
         aborted: list[str] = []
         for data_id, group in group_by_data_id(self._carry_over_rollouts).items():
             age = self.global_step - group[0].enqueued_step
-            if age > cap and self.partial_rollout:
+            if age > cap and self.settings.partial_rollout:
                 # Its tokens may be younger than the group (partial rollout continues calls
                 # across updates): what is stale is its oldest token, never older than this.
                 oldest = oldest_token_version(
@@ -167,17 +155,16 @@ class Trainer:
     def _group_filter(self) -> GroupFilter | None:
         """`algorithm.filter_groups`: complete groups whose members all score alike leave the
         window and new prompts take their place."""
-        filters = self.config.algorithm.filter_groups
-        if not filters.enable:
+        if not self.settings.filter_groups:
             return None
-        bound = filters.max_num_gen_batches * self.config.data.train_batch_size or None
-        return GroupFilter(scores=self._group_scores, top_up=lambda n: self.loader.take(n), max_filtered=bound)
+        return GroupFilter(
+            scores=self._group_scores,
+            top_up=lambda n: self.loader.take(n),
+            max_filtered=self.settings.max_filtered_groups,
+        )
 
     def _reward(self, rollout: TrackedRollout, reported: float | None) -> float:
-        """A consumed rollout's reward: what it reported, or `reward_fillna_value` when it
-        failed or reported none."""
-        fill = self.config.algorithm.reward_fillna_value
-        return fill if rollout.state == RolloutState.FAILED or reported is None else reported
+        return rollout_reward(rollout, reported, self.settings.reward_fillna_value)
 
     async def _group_scores(self, group: list[TrackedRollout]) -> list[float]:
         """What `algorithm.filter_groups.metric` compares within a group: the reward (score,
@@ -186,241 +173,68 @@ class Trainer:
         for rollout, bundle in zip(group, bundles):
             self._bundles[rollout.rollout_id] = bundle
         rewards = [self._reward(r, b.reward) for r, b in zip(group, bundles)]
-        if self.config.algorithm.filter_groups.metric == "acc":
+        if self.settings.filter_metric == "acc":
             return [float(r > 0) for r in rewards]
         return rewards
 
-    # -- gateway --------------------------------------------------------------------------
-
-    async def _resume_gateway(self, attempts: int = 5) -> None:
-        await call_with_retries(
-            "resuming the gateway", self.client.resume, RetryPolicy(is_transient, attempts=attempts)
-        )
-        if self._paused_at is not None:
-            self._last_pause_seconds = self.clock() - self._paused_at
-            self._paused_at = None
-
-    def _unhonoured_metrics(self) -> dict[str, float]:
-        if self._gateway_counts is None:
-            return {}
-        metrics = unhonoured_metrics(self._gateway_counts_before, self._gateway_counts)
-        self._gateway_counts_before = self._gateway_counts
-        return metrics
-
-    async def _pause_and_drain_gateway(self) -> tuple[int, float]:
-        """Pause the proxy, record in-flight calls at that moment, wait until none are left.
-
-        With partial rollout nothing is paused or waited for: the calls in flight go on during
-        the update, each engine freezes them only across its weight load. The drain is then
-        the time to read the gateway's state (calls in flight, and its partial-rollout counts,
-        which the step's metrics take the difference of)."""
-        if self.partial_rollout:
-            started = self.clock()
-            self._boundary_counts = await self.client.proxy_state()
-            self._gateway_counts = self._boundary_counts
-            return self._boundary_counts.inflight, self.clock() - started
-        gateway = self.config.gateway
-        state = await self.client.pause(
-            reason=f"policy update at step {self.global_step}",
-            retry_after_seconds=gateway.retry_after_seconds,
-            expected_seconds=self._last_pause_seconds,
-        )
-        inflight_at_pause = state.inflight
-        self._gateway_counts = state
-        started = self._paused_at = self.clock()
-        deadline = started + gateway.drain_timeout_seconds
-        self.progress.drain(state.inflight)
-        while state.inflight > 0:
-            remaining = deadline - self.clock()
-            if remaining <= 0:
-                running = await self.client.list_rollouts(state_in=[RolloutState.RUNNING])
-                stuck = ", ".join(r.rollout_id for r in running[:20]) or "none running"
-                raise DrainTimeout(
-                    f"gateway still has {state.inflight} call(s) in flight after "
-                    f"gateway.drain_timeout_seconds={gateway.drain_timeout_seconds}; running rollouts: {stuck}"
-                )
-            state = await self.client.proxy_state(wait_drained=min(remaining, 10.0))
-            self.progress.drain(state.inflight)
-        return inflight_at_pause, self.clock() - started
-
     async def _rollout(self, new_prompts: list[Prompt]) -> tuple[GroupedResult, int, float]:
-        await self._resume_gateway()
+        await self.gateway.resume()
         result = await self.manager.enqueue_and_wait_until_group_completed(
             new_prompts,
             self._carry_over_rollouts,
-            target_finished_group_num=self.config.data.train_batch_size,
+            target_finished_group_num=self.settings.train_batch_size,
             step=self.global_step,
         )
-        if self.async_enabled:
+        if self.settings.async_enabled:
             self._carry_over_rollouts = result.new_carry_over_rollouts
         else:
             leftovers = [r.rollout_id for r in result.new_carry_over_rollouts if not r.state.terminal]
             if leftovers:
                 await self._backend.abort(leftovers, "synchronous mode keeps no carry-over")
             self._carry_over_rollouts = []
-        inflight_at_pause, drain_seconds = await self._pause_and_drain_gateway()
+        inflight_at_pause, drain_seconds = await self.gateway.pause_and_drain(self.global_step, self.progress)
         return result, inflight_at_pause, drain_seconds
-
-    # -- samples --------------------------------------------------------------------------
-
-    def _sample_budget(self) -> tuple[int, bool]:
-        """A sample's token budget and whether calls merge (`agentlightning.trace_aggregator`)."""
-        data = self.config.data
-        aggregator = self.config.agentlightning.trace_aggregator
-        if aggregator.level == "transition":
-            return data.max_prompt_length + data.max_response_length, False
-        budget = (aggregator.trajectory_max_prompt_length or data.max_prompt_length) + (
-            aggregator.trajectory_max_response_length or data.max_response_length
-        )
-        if aggregator.trajectory_max_total_length is not None:
-            budget = min(budget, aggregator.trajectory_max_total_length)
-        return budget, True
 
     async def _bundle(self, rollout_id: str) -> Any:
         cached = self._bundles.pop(rollout_id, None)
         return cached if cached is not None else await self.client.triplets(rollout_id)
 
-    async def _collect_samples(self, groups: list[list[TrackedRollout]]) -> tuple[UpdateBatch, dict[str, float]]:
-        max_length, merge = self._sample_budget()
-        truncation = self.config.data.truncation
-        rewards: list[float] = []
-        rollouts: list[RolloutScore] = []
-        all_samples: list[Sample] = []
-        n_failed = n_missing_reward = n_timeout = n_overlong = 0
-        flat = [r for g in groups for r in g]
-        bundles = await asyncio.gather(*(self._bundle(r.rollout_id) for r in flat))
-        for rollout, bundle in zip(flat, bundles):
-            if rollout.state == RolloutState.FAILED:
-                n_failed += 1
-                n_timeout += (rollout.error_message or "").startswith("timeout")
-            elif bundle.reward is None:
-                n_missing_reward += 1
-            reward = self._reward(rollout, bundle.reward)
-            triplets = [t.model_dump() for t in bundle.triplets]
-            samples = (
-                build_samples(
-                    rollout.rollout_id,
-                    rollout.data_id,
-                    triplets,
-                    reward,
-                    max_length,
-                    merge,
-                    cut="left" if truncation == "left" else "right",
-                )
-                if triplets
-                else []
-            )
-            if truncation == "error":  # an over-long sample is not trained on, and counted
-                n_overlong += sum(s.truncated for s in samples)
-                samples = [s for s in samples if not s.truncated]
-            rewards.append(reward)
-            rollouts.append(RolloutScore(rollout.rollout_id, rollout.data_id, reward))
-            all_samples += samples
-        lags = [
-            self.policy_version - v for s in all_samples for v, m in zip(s.token_versions, s.loss_mask) if m and v >= 0
-        ]
-        metrics = {
-            "critic/score/mean": statistics.fmean(rewards) if rewards else 0.0,
-            "critic/score/max": max(rewards, default=0.0),
-            "critic/score/min": min(rewards, default=0.0),
-            "reward/accuracy": sum(r > 0 for r in rewards) / max(len(rewards), 1),
-            "rollouts/n_failed": n_failed,
-            "rollouts/n_timeout": n_timeout,
-            "rollouts/n_missing_reward": n_missing_reward,
-            "rollouts/n_samples": len(all_samples),
-            "rollouts/n_response_tokens": sum(s.num_loss_tokens for s in all_samples),
-            "training/n_overlong_samples": n_overlong,
-            "policy/version": self.policy_version,
-            "policy/version_lag_mean": statistics.fmean(lags) if lags else 0.0,
-            "policy/version_lag_max": max(lags) if lags else 0.0,
-            **self._length_metrics(all_samples),
-        }
-        return UpdateBatch(all_samples, rollouts), metrics
-
-    def _length_metrics(self, samples: list[Sample]) -> dict[str, float]:
-        """verl's length metrics, per sample: the prompt is what precedes its first trained
-        token, the response the rest (tool tokens of later turns included); a response is
-        clipped when it reached its budget."""
-        if not samples:
-            return {}
-        budget = self.config.response_budget
-        prompts = [s.loss_mask.index(1) for s in samples]
-        responses = [len(s) - p for s, p in zip(samples, prompts)]
-        clipped = [s.truncated or r >= budget for s, r in zip(samples, responses)]
-        return {
-            "response_length/mean": statistics.fmean(responses),
-            "response_length/max": max(responses),
-            "response_length/min": min(responses),
-            "response_length/clip_ratio": sum(clipped) / len(samples),
-            "prompt_length/mean": statistics.fmean(prompts),
-            "prompt_length/max": max(prompts),
-            "prompt_length/min": min(prompts),
-        }
+    # -- the update's inputs --------------------------------------------------------------
 
     def _learning_rate(self) -> float:
         """The schedule's learning rate for the update at `global_step` (a pure function of the
         step, so a resumed run picks it up where it stopped)."""
-        optim = self.config.actor_rollout_ref.actor.optim
+        lr = self.settings.learning_rate
         total = self.total_steps
         factor = lr_factor(
             self.global_step,
-            warmup=warmup_steps(optim.lr_warmup_steps, optim.lr_warmup_steps_ratio, total),
+            warmup=warmup_steps(lr.warmup_steps, lr.warmup_ratio, total),
             total=total,
-            kind=optim.schedule,
-            min_lr_ratio=optim.min_lr_ratio,
-            num_cycles=optim.num_cycles,
+            kind=lr.kind,
+            min_lr_ratio=lr.min_lr_ratio,
+            num_cycles=lr.num_cycles,
         )
-        return optim.lr * factor
+        return lr.peak * factor
 
     def _adapt_kl_coef(self, update_metrics: dict[str, float], n_rollouts: int) -> None:
         """The adaptive KL-in-reward controller moves toward `kl_ctrl.target_kl`."""
-        algorithm = self.config.algorithm
+        kl = self.settings.kl_in_reward
         current = update_metrics.get("actor/reward_kl_penalty")
-        if algorithm.use_kl_in_reward and algorithm.kl_ctrl.type == "adaptive" and current is not None:
-            ctrl = algorithm.kl_ctrl
-            self.kl_coef = adaptive_kl_coef(self.kl_coef, current, n_rollouts, ctrl.target_kl, ctrl.horizon)
-
-    # -- the step -------------------------------------------------------------------------
-
-    def _async_metrics(
-        self, step: int, n_prev_carry_over: int, result: GroupedResult, inflight: int, drain: float
-    ) -> dict[str, float]:
-        completed = [r for g in result.completed_groups for r in g]
-        # Updates the carry-over has lived through once this step's update is done.
-        ages = [step + 1 - r.enqueued_step for r in result.new_carry_over_rollouts]
-        metrics = {
-            "training/async/n_prev_carry_over_rollouts": n_prev_carry_over,
-            "training/async/n_completed_rollouts": len(completed),
-            "training/async/n_new_carry_over_rollouts": len(result.new_carry_over_rollouts),
-            "training/async/new_carry_over_age_max_steps": max(ages) if ages else 0,
-            "training/async/proxy_inflight_at_pause": inflight,
-            "training/async/proxy_drain_seconds": drain,
-            # rollouts consumed now that were enqueued in an earlier step: carry-over paying off
-            "training/async/n_completed_from_carry_over": sum(r.enqueued_step < step for r in completed),
-        }
-        timed = [
-            (r.created_at, r.started_at, r.finished_at)
-            for r in completed
-            if r.created_at is not None and r.finished_at is not None
-        ]
-        queue_wait = [started - created for created, started, _ in timed if started is not None]
-        run = [finished - started for _, started, finished in timed if started is not None]
-        total = [finished - created for created, _, finished in timed]
-        metrics.update(summarize("timing/rollout_queue_wait_s", queue_wait))
-        metrics.update(summarize("timing/rollout_run_duration_s", run))
-        metrics.update(summarize("timing/rollout_total_s", total))
-        return metrics
+        if kl.enabled and kl.controller == "adaptive" and current is not None:
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, current, n_rollouts, kl.target_kl, kl.horizon)
 
     def _check_failing(self, completed: list[TrackedRollout], n_failed: int) -> None:
         """Counts steps in a row whose `completed` rollouts all failed (`n_failed` of them, as
-        `_collect_samples` counted) and stops the run at `trainer.max_failed_steps`."""
+        `collect_samples` counted) and stops the run at `trainer.max_failed_steps`."""
         self._failed_steps = self._failed_steps + 1 if completed and n_failed == len(completed) else 0
-        limit = self.config.trainer.max_failed_steps
+        limit = self.settings.max_failed_steps
         if limit and self._failed_steps >= limit:
             raise RolloutsFailing(
                 f"every rollout of the last {self._failed_steps} steps failed (trainer.max_failed_steps="
                 f"{limit}); the latest error: {completed[-1].error_message or 'none recorded'}"
             )
+
+    # -- the step -------------------------------------------------------------------------
 
     async def train_step(self) -> dict[str, float]:
         step = self.global_step
@@ -430,10 +244,16 @@ class Trainer:
         n_prev_carry_over = len(self._carry_over_rollouts)
         rollout_started = self.clock()
         result, inflight, drain = await self._rollout(new_prompts)
-        previous_pause = self._last_pause_seconds  # measured by this step's resume
+        previous_pause = self.gateway.last_pause_seconds  # measured by this step's resume
         rollout_wait = self.clock() - rollout_started - drain
 
-        batch, sample_metrics = await self._collect_samples(result.completed_groups)
+        batch, sample_metrics = await collect_samples(
+            result.completed_groups,
+            self._bundle,
+            self.settings.samples,
+            fill=self.settings.reward_fillna_value,
+            policy_version=self.policy_version,
+        )
         samples = batch.samples
         completed = [r for g in result.completed_groups for r in g]
         self._check_failing(completed, int(sample_metrics["rollouts/n_failed"]))
@@ -446,16 +266,16 @@ class Trainer:
             await self.weight_sync.before_update()
             update_started = self.clock()
             update_metrics = await asyncio.to_thread(
-                self.policy.update, batch, self.rng, lr=self._learning_rate(), kl_coef=self.kl_coef
+                self.actor.update, batch, self.rng, lr=self._learning_rate(), kl_coef=self.kl_coef
             )
             update_s = self.clock() - update_started
             self._adapt_kl_coef(update_metrics, len(batch.rollouts))
             self.policy_version += 1
             self.progress.weight_sync()
             sync_started = self.clock()
-            await self.weight_sync.sync(self.policy, self.policy_version)
+            await self.weight_sync.sync(self.actor, self.policy_version)
             sync_s = self.clock() - sync_started
-            if self.partial_rollout:
+            if self.settings.partial_rollout:
                 counts_after_sync = await self.client.proxy_state()
         else:
             # An update on nothing would still bump the version and move the optimizer state;
@@ -471,11 +291,11 @@ class Trainer:
 
         step_s = self.clock() - step_started
         metrics: dict[str, float] = {
-            **self._async_metrics(step, n_prev_carry_over, result, inflight, drain),
+            **window_metrics(step, n_prev_carry_over, result, inflight, drain),
             **sample_metrics,
             **update_metrics,
-            **spanning_metrics(self._boundary_counts, counts_after_sync),
-            **self._unhonoured_metrics(),
+            **spanning_metrics(self.gateway.boundary_counts, counts_after_sync),
+            **self.gateway.unhonoured(),
             "training/async/n_aborted_stale_rollouts": n_stale,
             "training/n_filtered_groups": len(result.filtered_groups),
             "training/update_skipped": 0.0 if samples else 1.0,
@@ -487,9 +307,7 @@ class Trainer:
             "rollout/n_engines": n_engines,
             # Every token of every sample, through each PPO epoch (π_old's pass not counted).
             "perf/update_tokens_per_s": (
-                sum(len(s) for s in samples) * self.config.actor_rollout_ref.actor.ppo_epochs / update_s
-                if update_s > 0
-                else 0.0
+                sum(len(s) for s in samples) * self.settings.ppo_epochs / update_s if update_s > 0 else 0.0
             ),
             # The pause that ended as this step's rollout began: drain, update, weight sync
             # and anything else the previous step did while agents were held off.
@@ -510,8 +328,8 @@ class Trainer:
         """Every held-out task once (n = 1, val mode), waited to completion."""
         if not self.val_tasks:
             return {}
-        await self._resume_gateway()
-        tasks = self.val_tasks[: self.config.data.val_batch_size]
+        await self.gateway.resume()
+        tasks = self.val_tasks[: self.settings.val_batch_size]
         prompts = [Prompt(data_id=f"val-{self.global_step}-{i}", input=task) for i, task in enumerate(tasks)]
         self.progress.evaluation(0, len(prompts))
         val_manager = AsyncRolloutManager(
@@ -545,22 +363,9 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         assert self.run_dir is not None
-        root = self.run_dir / "checkpoints"
-        final = root / f"step_{self.global_step}"
-        partial = root / f".step_{self.global_step}.partial"
-        partial.mkdir(parents=True, exist_ok=True)
-        self.policy.save(partial / "model")  # what engines and users load
-        self.policy.save_training_state(partial / TRAINING_STATE)
         state = self.state_dict()
         state["rng"] = [state["rng"][0], list(state["rng"][1]), state["rng"][2]]
-        (partial / "trainer_state.json").write_text(json.dumps(state))
-        if final.exists():
-            import shutil
-
-            shutil.rmtree(final)
-        partial.rename(final)  # a checkpoint exists only once it is complete
-        (root / "latest").write_text(final.name)
-        return final
+        return save_checkpoint(self.run_dir, self.global_step, self.actor, state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.global_step = state["global_step"]
@@ -609,16 +414,15 @@ class Trainer:
     @property
     def total_steps(self) -> int:
         """Updates of the run (`trainer.total_training_steps`, else `total_epochs` passes)."""
-        return self.config.trainer.steps(len(self.train_tasks), self.config.data.train_batch_size)
+        return self.settings.total_steps(len(self.train_tasks))
 
     def _checkpoint_due(self, last: bool) -> bool:
-        freq = self.config.trainer.save_freq
+        freq = self.settings.save_freq
         return self.run_dir is not None and freq >= 0 and (last or (freq > 0 and self.global_step % freq == 0))
 
     async def fit(self) -> list[dict[str, float]]:
-        trainer_cfg = self.config.trainer
         total = self.total_steps
-        if self.global_step == 0 and trainer_cfg.val_before_train:
+        if self.global_step == 0 and self.settings.val_before_train:
             val = await self.validate()
             if val:
                 self._log(val)
@@ -626,7 +430,8 @@ class Trainer:
             self.progress.step_started(self.global_step + 1, total)  # the step its metrics are logged at
             metrics = await self.train_step()
             last = self.global_step == total
-            if trainer_cfg.test_freq > 0 and self.global_step % trainer_cfg.test_freq == 0 and not last:
+            test_freq = self.settings.test_freq
+            if test_freq > 0 and self.global_step % test_freq == 0 and not last:
                 metrics.update(await self.validate())
             self._log(metrics)
             self.progress.step_finished(self.global_step, metrics)
@@ -637,3 +442,34 @@ class Trainer:
         if val:
             self._log(val)
         return self.history
+
+
+def window_metrics(
+    step: int, n_prev_carry_over: int, result: GroupedResult, inflight: int, drain: float
+) -> dict[str, float]:
+    """The seed's `training/async/*` and `timing/rollout_*` metrics of one step's window."""
+    completed = [r for g in result.completed_groups for r in g]
+    # Updates the carry-over has lived through once this step's update is done.
+    ages = [step + 1 - r.enqueued_step for r in result.new_carry_over_rollouts]
+    metrics: dict[str, float] = {
+        "training/async/n_prev_carry_over_rollouts": n_prev_carry_over,
+        "training/async/n_completed_rollouts": len(completed),
+        "training/async/n_new_carry_over_rollouts": len(result.new_carry_over_rollouts),
+        "training/async/new_carry_over_age_max_steps": max(ages) if ages else 0,
+        "training/async/proxy_inflight_at_pause": inflight,
+        "training/async/proxy_drain_seconds": drain,
+        # rollouts consumed now that were enqueued in an earlier step: carry-over paying off
+        "training/async/n_completed_from_carry_over": sum(r.enqueued_step < step for r in completed),
+    }
+    timed = [
+        (r.created_at, r.started_at, r.finished_at)
+        for r in completed
+        if r.created_at is not None and r.finished_at is not None
+    ]
+    queue_wait = [started - created for created, started, _ in timed if started is not None]
+    run = [finished - started for _, started, finished in timed if started is not None]
+    total = [finished - created for created, _, finished in timed]
+    metrics.update(summarize("timing/rollout_queue_wait_s", queue_wait))
+    metrics.update(summarize("timing/rollout_run_duration_s", run))
+    metrics.update(summarize("timing/rollout_total_s", total))
+    return metrics

@@ -56,19 +56,30 @@ def test_greedy_validation_forces_temperature_zero():
 def test_a_config_that_gives_only_total_epochs_runs_for_epochs(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("trainer:\n  total_epochs: 3\ndata:\n  train_batch_size: 4\n")
-    trainer = load_config(path).trainer
-    assert trainer.total_training_steps is None and trainer.steps(n_train_tasks=10, train_batch_size=4) == 9
-    both = load_config(path, ["trainer.total_training_steps=5"]).trainer
-    assert both.steps(n_train_tasks=10, train_batch_size=4) == 5  # verl: total_training_steps wins
-    assert load_config().trainer.steps(n_train_tasks=10, train_batch_size=4) == 10  # Rollover's default
+    from rollover.training.settings import TrainerSettings
+
+    config = load_config(path)
+    assert config.trainer.total_training_steps is None
+    assert TrainerSettings.from_config(config).total_steps(n_train_tasks=10) == 9
+    both = TrainerSettings.from_config(load_config(path, ["trainer.total_training_steps=5"]))
+    assert both.total_steps(n_train_tasks=10) == 5  # verl: total_training_steps wins
+    assert TrainerSettings.from_config(load_config()).total_steps(n_train_tasks=10) == 10  # Rollover's default
 
 
 def test_save_freq_minus_one_means_no_checkpoints():
+    from rollover.training.settings import TrainerSettings
     from rollover.training.trainer import Trainer
 
     for freq, due in ((-1, [False, False]), (0, [False, True]), (2, [True, True])):
         config = load_config(None, [f"trainer.save_freq={freq}"])
-        trainer = Trainer(config=config, client=None, policy=None, weight_sync=None, train_tasks=[{}], run_dir="r")  # type: ignore[arg-type]
+        trainer = Trainer(
+            settings=TrainerSettings.from_config(config),
+            client=None,
+            actor=None,
+            weight_sync=None,
+            train_tasks=[{}],
+            run_dir="r",
+        )  # type: ignore[arg-type]
         trainer.global_step = 2
         assert [trainer._checkpoint_due(last) for last in (False, True)] == due, freq
 

@@ -199,7 +199,7 @@ def test_two_nodes_on_loopback(tmp_path, calc_model, calc_env):
     )
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
     launcher += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0"]
-    command = [*launcher, "-m", "rollover.distributed", str(CALC_CONFIG), *overrides]
+    command = [*launcher, "-m", "rollover.ranks", str(CALC_CONFIG), *overrides]
     logs = [tmp_path / f"node{i}.log" for i in range(2)]
     nodes = [subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT) for log in logs]
     codes = [node.wait(timeout=900) for node in nodes]

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from rollover.config import ConfigError, load_config
-from rollover.distributed.__main__ import check_world
 from rollover.distributed.world import World
+from rollover.ranks.rank import check_world
 
 CALC_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "calc" / "config.yaml"
 
@@ -56,4 +56,4 @@ def test_rollover_train_over_several_nodes_says_how_to_launch_them(capsys):
 
     assert main(["train", str(CALC_CONFIG), "trainer.nnodes=2"]) == 2
     err = capsys.readouterr().err
-    assert "torchrun --nnodes 2" in err and "-m rollover.distributed" in err
+    assert "torchrun --nnodes 2" in err and "-m rollover.ranks" in err

@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 timeout_worker.py \\
         NCCL_TIMEOUT_S ACTION REPORT
 
-Both actions init the process group as `rollover.distributed` does (`World`, the timeout from
+Both actions init the process group as `rollover.ranks` does (`World`, the timeout from
 `trainer.nccl_timeout`) and build the `CommandChannel`; rank 0 writes REPORT (JSON).
 ACTION `read`: the timeouts torch holds for the default group and the channel's group.
 ACTION `wait`: rank 0 sends its command late (GAP_S, over twice the training timeout), then
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from rollover.config import load_config
-from rollover.distributed.commands import CommandChannel, Stop
 from rollover.distributed.world import World
+from rollover.ranks.commands import CommandChannel, Stop
 
 GAP_S = 2.5  # x trainer.nccl_timeout
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollover.engine.vllm_engine import EngineError, EngineStartError, VLLMEngine
+from rollover.engine.server import EngineError, EngineStartError
+from rollover.engine.vllm_engine import VLLMEngine
 from rollover.processes import descendant_pids, group_members
 from rollover.testing.engine import TEST_MAX_MODEL_LEN, alive, engine_family
 from tests.conftest import ADMIN_KEY
@@ -201,7 +202,7 @@ def test_command_line_and_environment(tmp_path: Path) -> None:
 
 
 async def test_sleep_needs_sleep_mode(tmp_path: Path) -> None:
-    from rollover.engine.vllm_engine import EngineError
+    from rollover.engine.server import EngineError
 
     engine = VLLMEngine(tmp_path, log_path=tmp_path / "a.log")
     with pytest.raises(EngineError, match="sleep mode"):

@@ -15,13 +15,14 @@ import httpx
 import pytest
 import torch
 
+from rollover import adapter_folder
 from rollover.config import load_config
 from rollover.engine.vllm_engine import VLLMEngine
 from rollover.engine.weight_sync import EngineAdapterSync
 from rollover.gateway.keys import scoped_key
 from rollover.gateway.server import GatewayThread
 from rollover.testing.engine import start_test_engine
-from rollover.training import adapters, lora
+from rollover.training import lora
 from rollover.training.policy import Policy
 from tests.conftest import ADMIN_KEY
 from tests.engine.test_token_fidelity import PROMPTS
@@ -104,10 +105,10 @@ def test_only_the_adapter_moves_and_the_engine_serves_it(lora_engine, calc_model
     perturb_adapter(policy, seed=1)
     asyncio.run(sync.sync(policy, 1))
     written = tmp_path / "adapters" / "v1"
-    assert {p.name for p in written.iterdir()} == {adapters.ADAPTER_CONFIG, adapters.ADAPTER_WEIGHTS}
+    assert {p.name for p in written.iterdir()} == {adapter_folder.ADAPTER_CONFIG, adapter_folder.ADAPTER_WEIGHTS}
     from safetensors.torch import load_file
 
-    tensors = load_file(written / adapters.ADAPTER_WEIGHTS)
+    tensors = load_file(written / adapter_folder.ADAPTER_WEIGHTS)
     assert tensors and all("lora_" in name for name in tensors)  # no base weight is written
     assert sync.last_bytes < (calc_model / "model.safetensors").stat().st_size / 4
     assert lora_engine.adapter_name == "policy-v1" and lora_engine.policy_version == 1
@@ -191,7 +192,7 @@ def test_a_lora_run_trains_resumes_and_exports(lora_engine, calc_model, tmp_path
     assert [r["policy/version"] for r in train] == [0, 1]
     run = tmp_path / "lora"
     step_2 = run / "checkpoints" / "step_2" / "model"
-    assert {p.name for p in step_2.iterdir()} >= {adapters.ADAPTER_CONFIG, adapters.ADAPTER_WEIGHTS}
+    assert {p.name for p in step_2.iterdir()} >= {adapter_folder.ADAPTER_CONFIG, adapter_folder.ADAPTER_WEIGHTS}
     assert not (step_2 / "model.safetensors").exists()
     assert lora_engine.adapter_name == "policy-v2"
     [node_adapters] = (run / "weights").iterdir()
@@ -238,7 +239,7 @@ async def test_two_policies_are_served_by_one_engine_and_picked_by_model(lora_en
         lora_engine.attach_gateway(gateway.url, ADMIN_KEY)
         try:
             await sync.sync(policy, 1)
-            assert set(adapters.policy_adapters(tmp_path / "adapters" / "v1")) == {"planner", "solver"}
+            assert set(adapter_folder.policy_adapters(tmp_path / "adapters" / "v1")) == {"planner", "solver"}
             assert lora_engine.policies == {"planner": "planner-v1", "solver": "solver-v1"}
             assert served(lora_engine) >= {"planner-v1", "solver-v1"}
             planner, solver = greedy(lora_engine, "planner-v1"), greedy(lora_engine, "solver-v1")
@@ -295,6 +296,6 @@ def test_the_two_role_example_trains_each_role_on_its_own_calls(lora_engine, cal
     assert calls and all(roles_[0] == "planner" and set(roles_[1:]) <= {"solver"} for roles_ in calls.values())
     assert any(len(roles_) > 1 for roles_ in calls.values())  # the solver answered too
     checkpoint = run / "checkpoints" / "step_2"
-    assert set(adapters.policy_adapters(checkpoint / "model")) == {"planner", "solver"}
+    assert set(adapter_folder.policy_adapters(checkpoint / "model")) == {"planner", "solver"}
     assert lora_engine.policies == {"planner": "planner-v2", "solver": "solver-v2"}
     assert main(["model", "merge", str(checkpoint), "--policy", "planner", "--out", str(tmp_path / "planner")]) == 0

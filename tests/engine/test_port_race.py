@@ -11,8 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollover.engine import vllm_engine
-from rollover.engine.vllm_engine import EngineStartError, VLLMEngine
+from rollover.engine import server
+from rollover.engine.server import EngineStartError
+from rollover.engine.vllm_engine import VLLMEngine
 from rollover.processes import free_port
 
 FAKE_VLLM = Path(__file__).with_name("fake_vllm.py")
@@ -34,7 +35,7 @@ def test_a_picked_port_taken_by_another_server_is_given_up_for_another(tmp_path,
     picks = iter([foreign_server])
     # The race, made certain: the port picked is the one another server (answering /health and
     # listing "policy" as a vLLM would) binds before ours does.
-    monkeypatch.setattr(vllm_engine, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port(host))
+    monkeypatch.setattr(server, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port(host))
     engine = _engine(tmp_path)
     assert engine.port == foreign_server
     engine.start()

@@ -14,7 +14,8 @@ import httpx
 import pytest
 import torch
 
-from rollover.engine.vllm_engine import EngineError, GatewayRegistrationError, VLLMEngine
+from rollover.engine.server import EngineError
+from rollover.engine.vllm_engine import GatewayRegistrationError, VLLMEngine
 from rollover.engine.weights import save_weights
 from rollover.testing.engine import restore_weights
 from tests.conftest import serve_http

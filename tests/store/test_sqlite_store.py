@@ -225,7 +225,7 @@ def test_one_group_commit_keeps_the_writes_beside_a_refused_one(tmp_path):
 
     async def scenario():
         a, b, c = await store.add_rollouts([RolloutCreate() for _ in range(3)])
-        commits_before = store._checkpointer.commits
+        commits_before = store._file._checkpointer.commits
         results = await asyncio.gather(
             store.update_status(a.rollout_id, StatusFields(state=RolloutState.RUNNING, last_attempt_id="a1")),
             store.update_status(b.rollout_id, StatusFields(state=RolloutState.SUCCEEDED)),  # illegal
@@ -234,7 +234,7 @@ def test_one_group_commit_keeps_the_writes_beside_a_refused_one(tmp_path):
             store.add_event(a.rollout_id, "a1", EventCreate(event_type="reward", data={"value": 2})),
             return_exceptions=True,
         )
-        assert store._checkpointer.commits == commits_before + 1  # one transaction for all five
+        assert store._file._checkpointer.commits == commits_before + 1  # one transaction for all five
         return a.rollout_id, b.rollout_id, c.rollout_id, results
 
     a, b, c, results = run(scenario())

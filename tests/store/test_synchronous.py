@@ -16,7 +16,7 @@ LEVELS = {"NORMAL": 1, "FULL": 2}  # what PRAGMA synchronous answers
 def test_the_gateways_store_runs_with_the_configured_synchronous_level(tmp_path, level):
     with GatewayThread(store=str(tmp_path / "store.db"), admin_key=ADMIN_KEY, sqlite_synchronous=level) as server:
         store = server.server.config.app.state.gateway.store
-        connections = [store._conn, store._read_conn, store._checkpointer._conn]
+        connections = [store._file.conn, store._file._read_conn, store._file._checkpointer._conn]
         assert [c.execute("PRAGMA synchronous").fetchone()[0] for c in connections] == [LEVELS[level]] * 3
 
 

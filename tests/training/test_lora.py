@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollover import adapter_folder
 from rollover.cli.main import main
 from rollover.config import ConfigError, load_config
-from rollover.training import adapters
 from rollover.training.policy import Policy
 from rollover.training.samples import RolloutScore, Sample, UpdateBatch
 from tests.distributed.test_update_ranks import model_dir
@@ -116,12 +116,12 @@ def test_save_writes_the_adapter_and_merge_gives_a_plain_model_with_its_logprobs
 
     policy = trained_policy(model_dir)
     saved = policy.save(tmp_path / "checkpoint" / "model")
-    assert {p.name for p in saved.iterdir()} >= {adapters.ADAPTER_CONFIG, adapters.ADAPTER_WEIGHTS}
+    assert {p.name for p in saved.iterdir()} >= {adapter_folder.ADAPTER_CONFIG, adapter_folder.ADAPTER_WEIGHTS}
     assert not (saved / "model.safetensors").exists()  # the base is not copied
     # `rollover model merge RUN_DIR/checkpoints/step_N --out DIR`
     assert main(["model", "merge", str(tmp_path / "checkpoint"), "--out", str(tmp_path / "merged")]) == 0
     merged_dir = tmp_path / "merged"
-    assert not (merged_dir / adapters.ADAPTER_CONFIG).exists()
+    assert not (merged_dir / adapter_folder.ADAPTER_CONFIG).exists()
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     assert "lora" not in " ".join(n for n, _ in merged.named_parameters())
     for sample in batch().samples:

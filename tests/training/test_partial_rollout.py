@@ -15,6 +15,7 @@ from rollover.store.models import ProxyState, Triplet, TripletBundle
 from rollover.training.manager import TrackedRollout
 from rollover.training.partial import oldest_token_version, spanning_metrics
 from rollover.training.samples import build_samples, token_versions
+from rollover.training.settings import TrainerSettings
 from rollover.training.trainer import Trainer
 from tests.training.scripted_backend import ScriptedBackend
 
@@ -112,9 +113,9 @@ def test_the_staleness_cap_counts_from_a_groups_oldest_token() -> None:
     )
     backend = ScriptedBackend()
     trainer = Trainer(
-        config=load_config(None, overrides),
+        settings=TrainerSettings.from_config(load_config(None, overrides)),
         client=client,  # type: ignore[arg-type]
-        policy=None,  # type: ignore[arg-type]
+        actor=None,  # type: ignore[arg-type]
         weight_sync=None,  # type: ignore[arg-type]
         train_tasks=[{"id": i} for i in range(8)],
         backend=backend,

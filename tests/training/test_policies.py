@@ -10,9 +10,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from rollover import adapter_folder
 from rollover.cli.main import main
 from rollover.config import ConfigError, load_config
-from rollover.training import adapters, lora
+from rollover.training import lora
 from rollover.training.policy import Policy
 from rollover.training.samples import RolloutScore, UpdateBatch
 from tests.training.test_lora import BASE, LORA, base_model, batch, logprobs, model_dir
@@ -123,7 +124,7 @@ def test_save_checkpoint_and_merge_one_policy(model_dir, tmp_path):
     policy = Policy(model_dir, load_config(None, [*BASE, *POLICIES]))
     policy.update(two_role_batch(), random.Random(0), lr=5e-2)
     saved = policy.save(tmp_path / "step_1" / "model")
-    assert set(adapters.policy_adapters(saved)) == {"planner", "solver"}
+    assert set(adapter_folder.policy_adapters(saved)) == {"planner", "solver"}
     ids = batch().samples[1].input_ids
     # Each saved adapter is its policy as trained.
     from peft import PeftModel
@@ -179,5 +180,5 @@ def test_one_policy_runs_keep_the_single_adapter_layout(model_dir, tmp_path):
     policy = Policy(model_dir, load_config(None, [*BASE, *LORA]))
     assert policy.policies == () and len(policy.optimizer.param_groups) == 1
     saved = policy.save(tmp_path / "model")
-    assert adapters.is_adapter(saved) and adapters.policy_adapters(saved) == {}
+    assert adapter_folder.is_adapter(saved) and adapter_folder.policy_adapters(saved) == {}
     assert main(["model", "merge", str(saved), "--policy", "x", "--out", str(tmp_path / "m")]) == 2

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from rollover.engine.vllm_engine import EngineError
+from rollover.engine.server import EngineError
 from rollover.engine.watchdog import EngineWatchdog
 from rollover.launch import _until_first_done
 

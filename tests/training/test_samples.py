@@ -43,12 +43,12 @@ def test_transition_level_keeps_every_call_its_own_sample() -> None:
 
 def test_trace_aggregator_sets_the_sample_budget() -> None:
     from rollover.config import load_config
-    from rollover.training.trainer import Trainer
+    from rollover.training.settings import SampleBudget
 
     def budget(*overrides: str) -> tuple[int, bool]:
         config = load_config(None, ["data.max_prompt_length=100", "data.max_response_length=50", *overrides])
-        trainer = Trainer(config=config, client=None, policy=None, weight_sync=None, train_tasks=[{"id": 1}])  # type: ignore[arg-type]
-        return trainer._sample_budget()
+        found = SampleBudget.from_config(config)
+        return found.max_length, found.merge
 
     assert budget() == (150, True)
     level = "agentlightning.trace_aggregator"
@@ -210,8 +210,9 @@ def test_truncation_error_trains_no_over_long_sample_and_counts_it() -> None:
 
     from rollover.config import load_config
     from rollover.store.models import RolloutState
+    from rollover.training.collect import collect_samples
     from rollover.training.manager import TrackedRollout
-    from rollover.training.trainer import Trainer
+    from rollover.training.settings import SampleBudget
 
     calls = {
         "short": [_call([1, 2], [10, 11], [-0.1, -0.2], 0)],
@@ -225,9 +226,9 @@ def test_truncation_error_trains_no_over_long_sample_and_counts_it() -> None:
             )
 
     config = load_config(None, ["data.max_prompt_length=4", "data.max_response_length=4", "data.truncation=error"])
-    trainer = Trainer(config=config, client=Client(), policy=None, weight_sync=None, train_tasks=[{"id": 1}])  # type: ignore[arg-type]
     group = [TrackedRollout(rid, "g", {}, 0, state=RolloutState.SUCCEEDED) for rid in calls]
-    batch, metrics = asyncio.run(trainer._collect_samples([group]))
+    budget = SampleBudget.from_config(config)
+    batch, metrics = asyncio.run(collect_samples([group], Client().triplets, budget, fill=0.0, policy_version=0))
     assert [s.rollout_id for s in batch.samples] == ["short"]
     assert [r.rollout_id for r in batch.rollouts] == ["short", "long"]  # it still counts in its group's baseline
     assert metrics["training/n_overlong_samples"] == 1

@@ -1,6 +1,7 @@
 """Trainer behaviour beyond the manager: window top-up, staleness cap, drain timeout, checkpoints."""
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -9,10 +10,13 @@ import pytest
 
 from rollover.config import load_config
 from rollover.gateway.client import GatewayClient
+from rollover.metrics.progress import NullProgress
 from rollover.simulate import LogNormal, Scenario, Simulation
 from rollover.store.models import RolloutState
+from rollover.training.drain import DrainTimeout, GatewayPause
 from rollover.training.manager import TrackedRollout
-from rollover.training.trainer import DrainTimeout, RolloutsFailing, Trainer
+from rollover.training.settings import TrainerSettings
+from rollover.training.trainer import RolloutsFailing
 from tests.conftest import ADMIN_KEY
 
 
@@ -60,11 +64,11 @@ def test_staleness_cap_aborts_and_requeues_old_groups():
     assert uncapped.max_carry_over_age > cap + 1  # the cap is what made the difference
 
 
-def test_trainer_construction_checks_the_async_window():
+def test_the_trainers_settings_check_the_async_window():
     config = load_config(None, ["data.train_batch_size=4"])
     config.agentlightning.async_rollout.enabled = True  # a nested assignment skips the root validator
     with pytest.raises(ValueError, match="async_train_batch_size=None, train_batch_size=4"):
-        Trainer(config=config, client=None, policy=None, weight_sync=None, train_tasks=[{"id": 1}])
+        TrainerSettings.from_config(config)
 
 
 @pytest.mark.slow
@@ -81,12 +85,13 @@ def test_drain_timeout_names_the_stuck_rollouts(gateway, admin, stub):
     call.start()
     while admin.get("/proxy/state").json()["inflight"] == 0:
         time.sleep(0.01)
-    config = load_config(None, ["gateway.drain_timeout_seconds=0.5"])
 
     async def drain():
         async with GatewayClient(gateway.url, ADMIN_KEY) as client:
-            trainer = Trainer(config=config, client=client, policy=None, weight_sync=None, train_tasks=[{"id": 1}])
-            await trainer._pause_and_drain_gateway()
+            pause = GatewayPause(
+                client, partial_rollout=False, retry_after_seconds=5, drain_timeout_seconds=0.5, clock=time.monotonic
+            )
+            await pause.pause_and_drain(0, NullProgress())
 
     with pytest.raises(DrainTimeout, match=rid):
         asyncio.run(drain())
@@ -107,9 +112,9 @@ def test_a_step_without_samples_is_reported_and_leaves_the_policy_alone(caplog):
             return bundle.model_copy(update={"triplets": []})
         return bundle
 
-    real_update, real_sync = sim.trainer.policy.update, sim.trainer.weight_sync.sync
+    real_update, real_sync = sim.trainer.actor.update, sim.trainer.weight_sync.sync
     sim.gateway.triplets = nothing_in_step_0
-    sim.trainer.policy.update = lambda batch, rng, **kw: (
+    sim.trainer.actor.update = lambda batch, rng, **kw: (
         updates.append(len(batch.samples)) or real_update(batch, rng, **kw)
     )
 
@@ -171,7 +176,7 @@ def test_resuming_a_finished_run_requeues_the_carry_over_it_aborted():
         if (sim.backend.rollouts[r.rollout_id].error_message or "").startswith("aborted: training finished")
     }
     assert aborted  # heavy tail: some carried groups were still running when the run finished
-    trainer.config.trainer.total_training_steps = 4
+    trainer.settings = dataclasses.replace(trainer.settings, total_training_steps=4)
     asyncio.run(trainer.reconcile_after_restart())
     assert not aborted & {r.data_id for r in trainer._carry_over_rollouts}
     assert len(trainer.loader.requeued) == len(aborted)

@@ -202,6 +202,7 @@ def test_max_ppo_update_times_drops_the_groups_without_signal_first():
 
 
 def test_the_update_runs_at_the_learning_rate_the_trainer_schedules():
+    from rollover.training.settings import TrainerSettings
     from rollover.training.trainer import Trainer
 
     config = load_config(
@@ -214,7 +215,9 @@ def test_the_update_runs_at_the_learning_rate_the_trainer_schedules():
             "actor_rollout_ref.actor.optim.min_lr_ratio=0.1",
         ],
     )
-    trainer = Trainer(config=config, client=None, policy=None, weight_sync=None, train_tasks=[{"id": 1}])  # type: ignore[arg-type]
+    trainer = Trainer(
+        settings=TrainerSettings.from_config(config), client=None, actor=None, weight_sync=None, train_tasks=[{"id": 1}]
+    )  # type: ignore[arg-type]
     rates = []
     for step in range(10):
         trainer.global_step = step
@@ -233,6 +236,7 @@ def test_the_update_runs_at_the_learning_rate_the_trainer_schedules():
 
 
 def test_the_adaptive_kl_coefficient_moves_and_is_checkpointed():
+    from rollover.training.settings import TrainerSettings
     from rollover.training.trainer import Trainer
 
     config = load_config(
@@ -240,10 +244,14 @@ def test_the_adaptive_kl_coefficient_moves_and_is_checkpointed():
         ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.1",
          "algorithm.kl_ctrl.horizon=100", "algorithm.kl_ctrl.kl_coef=0.2"],
     )  # fmt: skip
-    trainer = Trainer(config=config, client=None, policy=None, weight_sync=None, train_tasks=[{"id": 1}])  # type: ignore[arg-type]
+    trainer = Trainer(
+        settings=TrainerSettings.from_config(config), client=None, actor=None, weight_sync=None, train_tasks=[{"id": 1}]
+    )  # type: ignore[arg-type]
     trainer._adapt_kl_coef({"actor/reward_kl_penalty": 1.0}, n_rollouts=10)  # far above target: +20% x 10/100
     assert trainer.kl_coef == pytest.approx(0.2 * 1.02)
-    resumed = Trainer(config=config, client=None, policy=None, weight_sync=None, train_tasks=[{"id": 1}])  # type: ignore[arg-type]
+    resumed = Trainer(
+        settings=TrainerSettings.from_config(config), client=None, actor=None, weight_sync=None, train_tasks=[{"id": 1}]
+    )  # type: ignore[arg-type]
     state = trainer.state_dict()
     state["rng"] = [state["rng"][0], list(state["rng"][1]), state["rng"][2]]
     resumed.load_state_dict(state)

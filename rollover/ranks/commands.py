@@ -1,8 +1,9 @@
 """Rank 0 drives the other ranks: every collective step of a run is a command it broadcasts
 and then carries out itself, so all ranks enter each collective in the same order.
 
-`LeaderPolicy` and `LeaderWeightSync` are what rank 0's `Trainer` holds: the trainer's
-protocols, each call first announced to the other ranks.
+`Leader` is rank 0's side of it (`rollover.launch.Followers`); `LeaderPolicy` and
+`LeaderWeightSync` are what rank 0's `Trainer` holds: the trainer's protocols, each call first
+announced to the other ranks.
 """
 
 from __future__ import annotations
@@ -152,3 +153,22 @@ class LeaderWeightSync:
         self.channel.send(SyncWeights(version))
         await self.local.sync(policy, version)  # gathering the weights is announced by SyncWeights
         await asyncio.to_thread(self.channel.barrier)
+
+
+class Leader:
+    """Rank 0 driving the other ranks over `channel` (`rollover.launch.Followers`)."""
+
+    def __init__(self, channel: CommandChannel) -> None:
+        self.channel = channel
+
+    def hello(self, model_path: str, run_dir: str, gateway_url: str, admin_key: str, policy_version: int) -> None:
+        self.channel.send(Hello(model_path, run_dir, gateway_url, admin_key, policy_version))
+
+    def lead(self, policy: Policy, weight_sync: EngineWeightSync | EngineAdapterSync) -> tuple[Any, Any]:
+        return LeaderPolicy(policy, self.channel), LeaderWeightSync(weight_sync, self.channel)
+
+    def barrier(self) -> None:
+        self.channel.barrier()
+
+    def stop(self, reason: str) -> None:
+        self.channel.send(Stop(reason))

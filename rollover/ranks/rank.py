@@ -1,16 +1,12 @@
-"""One trainer rank, as torch's launcher starts it:
-
-    torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
-        -m rollover.distributed CONFIG [key=value ...]
-
-Rank 0 runs the whole system (`rollover.launch`); the others follow its commands.
+"""One trainer rank of a run on several (`python -m rollover.ranks`, or `rollover train` under
+torch's launcher): rank 0 runs the whole system (`rollover.launch`) and announces each
+collective step; the others follow its commands (`follower`). The caller configures logging.
 """
 
 from __future__ import annotations
 
 import sys
 
-from rollover.cli.logs import configure_logging
 from rollover.config import ConfigError, RolloverConfig, load_config
 from rollover.distributed.world import World
 
@@ -37,24 +33,22 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"rollover (rank {world.rank}): {exc}", file=sys.stderr)
         return 2
-    configure_logging()
     device = world.device(config.trainer.device)
     world.init_process_group(device, timeout_s=config.trainer.nccl_timeout)
     try:
         if world.is_leader:
             from rollover.launch import run_training_reporting_errors
+            from rollover.ranks.commands import CommandChannel, Leader
 
+            # Built first on every rank, before any other group: a collective.
+            followers = Leader(CommandChannel())
             try:
-                return run_training_reporting_errors(config, world)
+                return run_training_reporting_errors(config, world, followers)
             except (ConfigError, ValueError) as exc:
                 print(f"rollover train: {exc}", file=sys.stderr)
                 return 2
-        from rollover.distributed.follower import follow
+        from rollover.ranks.follower import follow
 
         return follow(config, world)
     finally:
         world.shutdown()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,5 @@
 """`rollover train` on one node with several ranks: torch's own elastic launcher
-(`torch.distributed.run`, what `torchrun` runs) starts `python -m rollover.distributed` once
+(`torch.distributed.run`, what `torchrun` runs) starts `python -m rollover.ranks` once
 per rank with a standalone rendezvous on loopback."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ def launch_single_node(n_ranks: int, config_path: str | None, overrides: Sequenc
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    argv = ["--standalone", f"--nproc-per-node={n_ranks}", "--max-restarts=0", "-m", "rollover.distributed"]
+    argv = ["--standalone", f"--nproc-per-node={n_ranks}", "--max-restarts=0", "-m", "rollover.ranks"]
     argv += [*([config_path] if config_path else []), *overrides]
     try:
         run(get_args_parser().parse_args(argv))

@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rollover.config import RolloverConfig
-from rollover.distributed.commands import (
+from rollover.distributed.world import World
+from rollover.engine.pool import node_engines, register_all, wait_all_ready
+from rollover.engine.vllm_engine import VLLMEngine
+from rollover.engine.watchdog import EngineWatchdog
+from rollover.engine.weight_sync import engine_weight_sync
+from rollover.ranks.commands import (
     BeforeUpdate,
     CommandChannel,
     Hello,
@@ -24,14 +29,9 @@ from rollover.distributed.commands import (
     SyncWeights,
     Update,
 )
-from rollover.distributed.world import World
-from rollover.engine.pool import node_engines, register_all, wait_all_ready
-from rollover.engine.vllm_engine import VLLMEngine
-from rollover.engine.watchdog import EngineWatchdog
-from rollover.engine.weight_sync import engine_weight_sync
 from rollover.training.policy import Policy
 
-log = logging.getLogger("rollover.distributed")
+log = logging.getLogger("rollover.ranks")
 T = TypeVar("T")
 
 

@@ -1,7 +1,7 @@
 """The LoRA adapter folder the trainer writes and the engines load: PEFT's own format
 (`adapter_config.json`, `adapter_model.safetensors`), or with several policies a PEFT folder
-per policy (`<folder>/<policy>/`). Paths only, no torch: the engine reads it too (training
-owns the format and imports no engine)."""
+per policy (`<folder>/<policy>/`). Paths only, no torch: it sits below both the trainer, which
+writes it, and the engine, which reads it, so neither imports the other."""
 
 from __future__ import annotations
 
