@@ -17,12 +17,17 @@ class LocalRunnerConfig(Section):
     )
     env_map: dict[str, str] = Field(default={}, description="ENV_NAME: input.path")
     env: dict[str, str] = Field(
-        default={}, description="ENV_NAME: value set for every agent process, on top of the trainer's environment"
+        default={},
+        description="ENV_NAME: value set for every agent process, on top of the allowlisted base (PATH, LANG, LC_*, TZ, TERM, JAVA_HOME, VIRTUAL_ENV, HOME, TMPDIR)",
     )
     max_concurrency: int = Field(default=64, gt=0, description="agent processes running at once")
     start_method: Literal["forkserver", "spawn"] = Field(
         default="forkserver",
         description="forkserver: fork agents from a process that imported the SDK once; spawn: a fresh interpreter each",
+    )
+    sandbox: bool = Field(
+        default=True,
+        description="run each agent in a bubblewrap sandbox: its own user/PID/network namespaces, a scratch /tmp, the filesystem read-only without the run's folder, only the gateway reachable (false: as the controller's user, with its files and network)",
     )
     preload_modules: list[str] = Field(
         default=[],

@@ -6,6 +6,7 @@ attempt's proxy by themselves."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from rollover.controller.runner import LaunchError
@@ -98,3 +99,21 @@ def harness_env(contract: dict[str, str]) -> dict[str, str]:
         "ANTHROPIC_API_KEY": key,
         **QUIET_HARNESS_ENV,
     }
+
+
+# What an agent inherits of the controller's environment: what finds programs and speaks the
+# locale, nothing else. The trainer's own variables (MASTER_ADDR, RANK, TORCHELASTIC_*, W&B,
+# Hugging Face and cloud tokens, ...) never reach an agent; `local.env` adds what one needs.
+BASE_ENV_NAMES = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "JAVA_HOME", "VIRTUAL_ENV")
+
+
+def base_env(environ: Mapping[str, str], *, home: str | None = None) -> dict[str, str]:
+    """The allowlisted part of `environ` (plus every `LC_*`); `home`, when given (the
+    sandbox's scratch folder), is the agent's HOME and TMPDIR, else the controller's are kept."""
+    env = {name: environ[name] for name in BASE_ENV_NAMES if name in environ}
+    env.update({name: value for name, value in environ.items() if name.startswith("LC_")})
+    if home is not None:
+        env["HOME"] = env["TMPDIR"] = home
+    else:
+        env.update({name: environ[name] for name in ("HOME", "TMPDIR") if name in environ})
+    return env

@@ -117,6 +117,7 @@ class Controller:
         kill_grace_seconds: float = 2.0,
         k8s_api_client: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        hidden_paths: tuple[Path, ...] = (),
     ) -> None:
         self.config = config.agentlightning if isinstance(config, RolloverConfig) else config
         self.client = client
@@ -135,6 +136,8 @@ class Controller:
         self._paused_seen = 0.0
         self._last_paused_total: float | None = None
         self._gateway_paused = False
+        # What sandboxed agents must not see besides their logs (the run folder, the store).
+        self.hidden_paths = tuple(Path(p) for p in hidden_paths)
         self._runner: Runner = self._make_runner(kill_grace_seconds, k8s_api_client)
         self._max_concurrency, self._env_map = runner_limits(self.config)
 
@@ -143,7 +146,12 @@ class Controller:
             from rollover.controller.local import LocalRunner
 
             return LocalRunner(
-                self.config.local, log_dir=self.log_dir, cwd=self.cwd, kill_grace_seconds=kill_grace_seconds
+                self.config.local,
+                log_dir=self.log_dir,
+                cwd=self.cwd,
+                gateway_url=self.client.base_url,
+                hidden_paths=self.hidden_paths,
+                kill_grace_seconds=kill_grace_seconds,
             )
         from rollover.controller.k8s import K8sRunner
 
@@ -353,7 +361,7 @@ class Controller:
     def _launch_spec(self, attempt: _Attempt) -> LaunchSpec:
         rollout = attempt.rollout
         env_map = {**self._env_map, **rollout.config.local.env_map}
-        public_url = self.config.k8s.gateway_url if self.config.runner == "k8s" else None
+        public_url = self._runner.agent_gateway_url
         env = agent_env(self.client, rollout, attempt.attempt_id, env_map, public_url)
         return LaunchSpec(
             rollout=rollout,

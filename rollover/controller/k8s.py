@@ -131,6 +131,7 @@ class K8sExecution:
 class K8sRunner:
     def __init__(self, config: K8sRunnerConfig, *, api_client: Any = None) -> None:
         self.config = config
+        self.agent_gateway_url = config.gateway_url
         if not config.job_template_path:
             raise ControllerConfigError(f"{TEMPLATE_KEY} must be set to a Jinja Job template for the k8s runner")
         self.template = JobTemplate.from_path(config.job_template_path, TEMPLATE_KEY)

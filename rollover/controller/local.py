@@ -6,6 +6,12 @@ fork server (`forkserver.py`, which has imported the agent SDK once) or, with
 `agentlightning.local.start_method: spawn`, as a fresh interpreter. A process group per agent
 lets the controller stop the agent together with anything it spawned (tool sandboxes,
 servers); Linux kills the agent if the controller dies.
+
+With `agentlightning.local.sandbox` (the default) the fork server runs in bubblewrap's
+sandbox and confines every attempt it starts (`sandbox.py`, `confine.py`); both start
+methods go through it (`spawn` then execs a fresh interpreter in the confined child), and
+agents reach the gateway through the bridge (`bridge.py`) only. Either way an agent's
+environment is an allowlist (`agent_env.base_env`) plus the env contract.
 """
 
 from __future__ import annotations
@@ -13,15 +19,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from rollover.config import LocalRunnerConfig
+from rollover.controller.agent_env import base_env
 from rollover.controller.agent_main import PARENT_PID_ENV, AgentClassError, load_agent_class
-from rollover.controller.forkserver import ForkServerClient, ForkServerError
+from rollover.controller.bridge import GatewayRelay
+from rollover.controller.confine import SCRATCH
+from rollover.controller.forkserver import ForkServerClient, ForkServerError, ServerOptions
 from rollover.controller.runner import ControllerConfigError, LaunchError, LaunchSpec, Outcome
+from rollover.controller.sandbox import (
+    SOCKET_DIR,
+    SOCKET_NAME,
+    SandboxLayout,
+    SandboxUnavailable,
+    agent_uid,
+    bwrap_command,
+)
 from rollover.processes import group_alive, group_members, signal_group, tail_lines
 
 log = logging.getLogger("rollover.controller.local")
@@ -89,7 +109,16 @@ class LocalRunner:
     """Agents as local processes: forks of a pre-imported fork server (`start_method:
     forkserver`, the default) or fresh interpreters (`spawn`)."""
 
-    def __init__(self, config: LocalRunnerConfig, *, log_dir: Path, cwd: Path, kill_grace_seconds: float = 2.0) -> None:
+    def __init__(
+        self,
+        config: LocalRunnerConfig,
+        *,
+        log_dir: Path,
+        cwd: Path,
+        gateway_url: str,
+        hidden_paths: tuple[Path, ...] = (),
+        kill_grace_seconds: float = 2.0,
+    ) -> None:
         self.config = config
         self.log_dir = log_dir
         self.cwd = cwd
@@ -104,10 +133,47 @@ class LocalRunner:
         error = self._check_class(config.agent_class)
         if error:
             raise ControllerConfigError(f"agentlightning.local.agent_class: {error}")
-        self.fork_server = (
-            ForkServerClient(list(config.preload_modules), log_path=log_dir / "forkserver.log", cwd=cwd)
-            if config.start_method == "forkserver"
-            else None
+        self._relay: GatewayRelay | None = None
+        self._socket_dir: str | None = None
+        self.agent_gateway_url: str | None = None
+        self.fork_server: ForkServerClient | None = None
+        if config.sandbox:
+            self.fork_server = self._sandboxed_server(gateway_url, [log_dir, *hidden_paths])
+        elif config.start_method == "forkserver":
+            self.fork_server = ForkServerClient(
+                list(config.preload_modules), log_path=log_dir / "forkserver.log", cwd=cwd
+            )
+
+    def _sandboxed_server(self, gateway_url: str, hidden: list[Path]) -> ForkServerClient:
+        """The fork server in bubblewrap's sandbox, with the bridge to the gateway."""
+        if shutil.which("bwrap") is None:
+            raise ControllerConfigError(
+                "agentlightning.local.sandbox: bubblewrap (bwrap) is not installed (Debian: apt-get install "
+                "bubblewrap); set agentlightning.local.sandbox=false to run agents unsandboxed"
+            )
+        parts = urlsplit(gateway_url)
+        port = parts.port or 80
+        self._socket_dir = tempfile.mkdtemp(prefix="rollover-gateway-")  # 0700: the controller's only
+        self._relay = GatewayRelay(parts.hostname or "127.0.0.1", port, Path(self._socket_dir) / SOCKET_NAME)
+        # Inside, the gateway is 127.0.0.1:<its port>, whatever address it has outside.
+        self.agent_gateway_url = f"http://127.0.0.1:{port}"
+        layout = SandboxLayout.build(self.cwd, hidden, Path(self._socket_dir))
+        options = ServerOptions(
+            sandbox=True,
+            keep=tuple(layout.kept_under_scratch()),
+            agent_uid=agent_uid(),
+            exec_agents=self.config.start_method == "spawn",
+            bridge_port=port,
+            bridge_socket=f"{SOCKET_DIR}/{SOCKET_NAME}",
+        )
+        server_env = {**base_env(os.environ, home=SCRATCH), "PYTHONPATH": self._python_path(os.environ)}
+        preload = list(self.config.preload_modules) if self.config.start_method == "forkserver" else []
+        return ForkServerClient(
+            preload,
+            log_path=self.log_dir / "forkserver.log",
+            cwd=self.cwd,
+            options=options,
+            wrap=lambda command: bwrap_command(layout, command, server_env),
         )
 
     def _check_class(self, spec: str) -> str | None:
@@ -125,8 +191,19 @@ class LocalRunner:
 
     async def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self._relay is not None:
+            await self._relay.start()
         if self.fork_server is not None:
-            await self.fork_server.start()
+            try:
+                await self.fork_server.start()
+            except (ForkServerError, SandboxUnavailable) as exc:
+                if self._relay is None:
+                    raise
+                await self.stop()
+                raise ControllerConfigError(
+                    f"agentlightning.local.sandbox: the agent sandbox cannot start here ({exc}); "
+                    "set agentlightning.local.sandbox=false to run agents unsandboxed"
+                ) from None
 
     async def stop(self) -> None:
         live = list(self._live)
@@ -134,6 +211,10 @@ class LocalRunner:
             await asyncio.gather(*(execution.kill() for execution in live), return_exceptions=True)
         if self.fork_server is not None:
             await self.fork_server.stop()
+        if self._relay is not None:
+            await self._relay.stop()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
 
     def claim_budget(self, horizon_seconds: float) -> int:
         return sys.maxsize
@@ -141,15 +222,19 @@ class LocalRunner:
     async def extend_deadline(self, execution: object, seconds: float) -> None:
         return None  # the controller's own deadline is the only one
 
+    def _python_path(self, environ: dict[str, str] | os._Environ[str]) -> str:
+        paths = [str(self.cwd)]
+        if environ.get("PYTHONPATH"):
+            paths.append(environ["PYTHONPATH"])
+        return os.pathsep.join(paths)
+
     def _child_env(self, spec: LaunchSpec) -> dict[str, str]:
-        env = dict(os.environ)
+        """The allowlisted base, the harnesses' standard variables, `local.env`, the contract."""
+        env = base_env(os.environ, home=SCRATCH if self.config.sandbox else None)
         env.update(spec.defaults)
         env.update(self.config.env)
         env.update(spec.env)
-        paths = [str(self.cwd)]
-        if env.get("PYTHONPATH"):
-            paths.append(env["PYTHONPATH"])
-        env["PYTHONPATH"] = os.pathsep.join(paths)
+        env["PYTHONPATH"] = self._python_path({**os.environ, **self.config.env})
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
@@ -180,7 +265,8 @@ class LocalRunner:
         """A fresh interpreter. No `preexec_fn`: it would make Python fork the whole
         controller process; the agent asks for its parent-death signal itself."""
         env[PARENT_PID_ENV] = str(os.getpid())
-        with open(log_path, "ab") as log_file:
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        with open(log_fd, "ab") as log_file:
             process = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",

@@ -66,6 +66,12 @@ class Execution(Protocol):
 
 
 class Runner(Protocol):
+    @property
+    def agent_gateway_url(self) -> str | None:
+        """The gateway's URL as agents reach it (a pod's route, the sandbox's bridge); None:
+        the controller's own."""
+        ...
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,7 +51,7 @@ def fork_servers_of(parent_pid: int) -> list[int]:
 
 
 async def test_a_dead_fork_server_fails_its_agents_and_is_restarted(client: GatewayClient, tmp_path: Path) -> None:
-    config = make_config(local={"agent_class": f"{AGENTS}:SleepAgent"})
+    config = make_config(local={"agent_class": f"{AGENTS}:SleepAgent", "sandbox": False})
     async with Controller(config, client, log_dir=tmp_path / "logs", poll_interval=0.1):
         [server] = fork_servers_of(os.getpid())
         pid_file = tmp_path / "victim.pids"
@@ -99,6 +100,7 @@ def test_kill_9_of_the_controller_takes_the_fork_server_and_agents_down(gateway:
             "--runner",
             "local",
             f"agentlightning.local.agent_class={AGENTS}:SleepAgent",
+            "agentlightning.local.sandbox=false",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -153,17 +155,25 @@ async def test_an_agent_whose_launch_was_called_off_does_not_live_on(tmp_path: P
 
 
 class _FakeServerProcess:
-    """The fork server's pipes, scripted: every request is answered with its pid and, in the
-    same read, the agent's exit (an agent that dies at once)."""
+    """The fork server's pipes, scripted: every request is answered with its pid (a pidfd of
+    this process on the fd socket, 4242 in the reply) and, in the same read, the agent's exit
+    (an agent that dies at once)."""
 
     returncode = None
 
-    def __init__(self) -> None:
+    def __init__(self, fd_socket: socket.socket) -> None:
         self.stdout = asyncio.StreamReader()
         self.stdin = self
+        self.fd_socket = fd_socket
 
     def write(self, data: bytes) -> None:
         request = json.loads(data)
+        tag, fds, _, _ = socket.recv_fds(self.fd_socket, 256, 1)  # the log file, sent first
+        assert tag.decode() == str(request["id"]) and len(fds) == 1
+        os.close(fds[0])
+        pidfd = os.pidfd_open(os.getpid())
+        socket.send_fds(self.fd_socket, [str(request["id"]).encode()], [pidfd])
+        os.close(pidfd)
         self.stdout.feed_data(
             json.dumps({"id": request["id"], "pid": 4242}).encode() + b"\n" + b'{"exit": 4242, "returncode": 3}\n'
         )
@@ -174,10 +184,14 @@ class _FakeServerProcess:
 
 async def test_an_agent_that_exits_before_its_reply_is_seen_still_reports_its_exit(tmp_path: Path) -> None:
     fork_client = ForkServerClient([], log_path=tmp_path / "fork.log", cwd=tmp_path)
-    process = _FakeServerProcess()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ours.setblocking(False)
+    process = _FakeServerProcess(theirs)
     fork_client.process = process  # type: ignore[assignment]
-    fork_client._reader = asyncio.get_running_loop().create_task(fork_client._read(process))  # type: ignore[arg-type]
+    fork_client._fd_socket = ours
+    ready = asyncio.get_running_loop().create_future()
+    fork_client._reader = asyncio.get_running_loop().create_task(fork_client._read(process, ready))  # type: ignore[arg-type]
     pid, exited = await fork_client.spawn("agents:Quick", {}, tmp_path, tmp_path / "agent.log")
-    assert pid == 4242
+    assert pid == os.getpid()  # the pid the pidfd names, in the controller's PID namespace
     assert await asyncio.wait_for(exited, 10) == 3
     fork_client._reader.cancel()

@@ -48,7 +48,14 @@ async def run_controller(
     clock: HandClock | None = None,
     **settings: Any,
 ) -> AsyncIterator[Controller]:
-    local = {"agent_class": f"{AGENTS}:{agent}", "start_method": start_method, **settings.pop("local", {})}
+    # Unsandboxed unless a test asks: these agents share files and pids with the test
+    # (tests/controller/test_sandbox.py runs the sandbox's own).
+    local = {
+        "agent_class": f"{AGENTS}:{agent}",
+        "start_method": start_method,
+        "sandbox": False,
+        **settings.pop("local", {}),
+    }
     config = make_config(local=local, **settings)
     async with Controller(
         config, client, log_dir=tmp_path / "logs", poll_interval=0.1, clock=clock or time.monotonic
@@ -353,6 +360,7 @@ def test_cli_controller_stops_its_agents_on_sigterm(gateway: GatewayThread, tmp_
             "--runner",
             "local",
             f"agentlightning.local.agent_class={AGENTS}:SleepAgent",
+            "agentlightning.local.sandbox=false",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
