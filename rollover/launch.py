@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollover.config import ConfigError, GatewaySettings, RolloverConfig, dump_config
+from rollover.config import ConfigError, GatewaySettings, RolloverConfig, dump_config, redacted
 from rollover.distributed.world import World
 
 if TYPE_CHECKING:
@@ -59,14 +59,24 @@ def apply_setup_hook(config: RolloverConfig) -> RolloverConfig:
 
 
 def prepare_run_dir(config: RolloverConfig) -> Path:
-    """A fresh run never mixes with an old one: the old folder is kept under a new name."""
+    """A fresh run never mixes with an old one: the old folder is kept under a new name. The
+    folder is the run's user's alone (0700): it holds the store, the weights and the logs."""
     run_dir = config.trainer.run_dir
     if run_dir.exists() and any(run_dir.iterdir()) and not config.resume:
         kept = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
         run_dir.rename(kept)
         print(f"previous run moved to {kept} (pass resume=true to continue it instead)", file=sys.stderr)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    run_dir.chmod(0o700)
     return run_dir
+
+
+def write_private(path: Path, text: str) -> None:
+    """`text` in a file only the run's user can read (0600, whatever the umask)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "w") as handle:
+        handle.write(text)
+    path.chmod(0o600)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -155,7 +165,7 @@ async def _run(
     if checkpoint is not None and not config.actor_rollout_ref.model.lora:
         # With LoRA the checkpoint's model is the adapter: the base stays the configured one.
         model_path = str(checkpoint / "model")
-    (run_dir / "config.yaml").write_text(dump_config(config))
+    write_private(run_dir / "config.yaml", dump_config(config))
 
     gateway = GatewayProcess(
         GatewaySettings.from_config(config, store=config.gateway.store_path(run_dir)), log_path=run_dir / "gateway.log"
@@ -168,7 +178,7 @@ async def _run(
         config.trainer.logger,
         project=config.trainer.project_name,
         experiment=config.trainer.experiment_name,
-        config=config.model_dump(mode="json"),
+        config=redacted(config),
     )
     # One console for the step lines and the live status line, so the lines scroll above it.
     live = LiveConsole(metrics.console) if "console" in config.trainer.logger else None
@@ -198,7 +208,9 @@ async def _run(
         trainer_policy: Any = policy
         if followers is not None:
             trainer_policy, weight_sync = followers.lead(policy, weight_sync)
-        async with Controller(config, client, log_dir=run_dir / "agent_logs") as controller:
+        # Sandboxed agents see neither the run folder nor the store (which may live elsewhere).
+        hidden = (run_dir, Path(config.gateway.store_path(run_dir)))
+        async with Controller(config, client, log_dir=run_dir / "agent_logs", hidden_paths=hidden) as controller:
             trainer = Trainer(
                 settings=trainer_settings,
                 client=client,

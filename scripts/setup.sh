@@ -21,16 +21,25 @@ for arg in "$@"; do
   esac
 done
 
+# Local agents run in bubblewrap's sandbox (agentlightning.local.sandbox, on by default):
+# Debian's bubblewrap package, installed once.
+apt_install() {
+  if [ "$(id -u)" -eq 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+  elif command -v sudo >/dev/null 2>&1; then
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+  else
+    return 1
+  fi
+}
+if [ "$main" = 1 ] && ! command -v bwrap >/dev/null 2>&1; then
+  apt_install bubblewrap || echo "setup.sh: install bubblewrap (apt) for the agent sandbox, or set agentlightning.local.sandbox=false" >&2
+fi
+
 # The run viewer's browser tests drive Debian's chromium through chromium-driver (no browser
 # download); installed once, skipped when both are already there.
 if [ "$main" = 1 ] && [[ ",$extras," == *",dev,"* ]] && ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1; then
-  if [ "$(id -u)" -eq 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
-  elif command -v sudo >/dev/null 2>&1; then
-    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
-  else
-    echo "setup.sh: install chromium and chromium-driver (apt) for the viewer's browser tests" >&2
-  fi
+  apt_install chromium chromium-driver || echo "setup.sh: install chromium and chromium-driver (apt) for the viewer's browser tests" >&2
 fi
 
 install_main() {

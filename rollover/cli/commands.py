@@ -100,14 +100,20 @@ def train(args: argparse.Namespace) -> int:
 
 
 def controller(args: argparse.Namespace) -> int:
+    from rollover.cli.keys import CONTROLLER_KEY_ENV, read_key
     from rollover.cli.logs import CONTROLLER_FORMAT, configure_logging
     from rollover.config import load_config
     from rollover.controller.main import run_controller
 
     try:
+        key = read_key(args.key, args.key_file, CONTROLLER_KEY_ENV)
+        if key is None:
+            raise UsageError(
+                f"the gateway's admin key is needed: --key-file PATH (mode 600), ${CONTROLLER_KEY_ENV}, or --key - (stdin)"
+            )
         config = load_config(args.config, [*args.overrides, f"agentlightning.runner={args.runner}"])
         configure_logging(CONTROLLER_FORMAT, quiet_httpx=False)
-        return run_controller(config, gateway_url=args.gateway, admin_key=args.key, log_dir=args.log_dir)
+        return run_controller(config, gateway_url=args.gateway, admin_key=key, log_dir=args.log_dir)
     except (ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from None
 
@@ -197,11 +203,20 @@ def report(args: argparse.Namespace) -> int:
 
 
 def view(args: argparse.Namespace) -> int:
+    from rollover.cli.keys import VIEWER_KEY_ENV, read_key
     from rollover.viewer.app import serve
     from rollover.viewer.data import RunFolderError
 
     try:
-        serve(args.run_dir, host=args.host, port=args.port, key=args.key, tokenizer=args.tokenizer)
-    except RunFolderError as exc:
+        key = read_key(args.key, args.key_file, VIEWER_KEY_ENV)
+        serve(
+            args.run_dir,
+            host=args.host,
+            port=args.port,
+            key=key,
+            tokenizer=args.tokenizer,
+            allowed_hosts=tuple(args.allow_host),
+        )
+    except (RunFolderError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     return 0

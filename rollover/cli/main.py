@@ -62,7 +62,10 @@ def _parser() -> argparse.ArgumentParser:
 
     controller = sub.add_parser("controller", help="run the controller alone")
     controller.add_argument("--gateway", required=True, help="gateway URL, e.g. http://127.0.0.1:8080")
-    controller.add_argument("--key", required=True, help="gateway admin key")
+    controller.add_argument(
+        "--key", default=None, help="gateway admin key ('-': read it from stdin; visible in ps otherwise)"
+    )
+    controller.add_argument("--key-file", default=None, help="a file (mode 600) holding the admin key")
     controller.add_argument("--runner", choices=["local", "k8s"], default="local")
     controller.add_argument("--config", default=None, help="YAML config whose agentlightning section is used")
     controller.add_argument("--log-dir", default=None, help="agent logs folder (default: a temp dir)")
@@ -115,9 +118,20 @@ def _parser() -> argparse.ArgumentParser:
 
     view = sub.add_parser("view", help="browse a run (metrics, timeline, rollouts, trained tokens) in a web page")
     view.add_argument("run_dir")
-    view.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback requires a key)")
+    view.add_argument("--host", default="127.0.0.1", help="bind address")
     view.add_argument("--port", type=int, default=8765)
-    view.add_argument("--key", default=None, help="access key (generated when --host is not loopback)")
+    view.add_argument(
+        "--key",
+        default=None,
+        help="access key ('-': from stdin; default $ROLLOVER_VIEW_KEY, else generated and printed)",
+    )
+    view.add_argument("--key-file", default=None, help="a file (mode 600) holding the access key")
+    view.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        help="a Host name to answer besides loopback ones (e.g. the machine's name with --host 0.0.0.0); repeatable",
+    )
     view.add_argument("--tokenizer", default=None, help="tokenizer.json or model folder (default: the run's)")
     view.set_defaults(run=commands.view)
     return parser

@@ -28,7 +28,7 @@ from rollover.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
 from rollover.config.base import ConfigError
 from rollover.config.data import DataConfig
 from rollover.config.gateway import GatewayConfig
-from rollover.config.load import dump_config, load_config, validate_config
+from rollover.config.load import dump_config, load_config, redacted, validate_config
 from rollover.config.no_effect import NO_EFFECT, no_effect_notes
 from rollover.config.root import RolloverConfig
 from rollover.config.settings import GatewaySettings
@@ -56,6 +56,7 @@ __all__ = [
     "ScheduleKind",
     "TrainerConfig",
     "dump_config",
+    "redacted",
     "is_class_spec",
     "load_config",
     "no_effect_notes",

@@ -113,5 +113,20 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return config
 
 
+# Keys whose values open the gateway: never written to a run folder, W&B or a log.
+SECRET_KEYS = (("gateway", "admin_key"), ("agentlightning", "agl_key"))
+REDACTED = "<redacted>"
+
+
+def redacted(config: RolloverConfig) -> dict[str, Any]:
+    """The config as plain data, with the gateway's keys replaced by a marker."""
+    data = config.model_dump(mode="json")
+    for section, key in SECRET_KEYS:
+        if data.get(section, {}).get(key):
+            data[section][key] = REDACTED
+    return data
+
+
 def dump_config(config: RolloverConfig) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """The YAML a run folder keeps (keys redacted)."""
+    return yaml.safe_dump(redacted(config), sort_keys=False)

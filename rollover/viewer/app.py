@@ -1,8 +1,11 @@
 """`rollover view RUN_DIR`: a small read-only web app over a run folder.
 
 The page (plain JS, inline SVG charts, shipped in `static/`: no build step, no CDN) polls a
-JSON API. It binds to 127.0.0.1 by default; bound anywhere else it requires a key, given as
-`?key=` once (then kept in a cookie) or as `Authorization: Bearer` / `x-api-key`.
+JSON API. It binds to 127.0.0.1 by default and always requires a key (the given one, or one
+generated and printed in its URL), given as `?key=` once (then kept in a cookie) or as
+`Authorization: Bearer` / `x-api-key`: any local process, an agent included, can reach
+loopback. It answers only requests whose `Host` is a loopback name or one it was told to
+accept (`--allow-host`), so a web page elsewhere cannot reach it through DNS rebinding.
 """
 
 from __future__ import annotations
@@ -43,15 +46,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def access_key(host: str, key: str | None) -> str | None:
-    """The key to require: the given one; a new one when bound beyond loopback without one
-    (a run's prompts are never served to the network unguarded); none on loopback."""
-    if key is None and not is_loopback(host):
-        return "vk-" + secrets.token_urlsafe(18)
-    return key
+def access_key(key: str | None) -> str:
+    """The key to require: the given one, else a new one (a run's prompts are never served
+    unguarded, not even on loopback, which every local process can reach)."""
+    return key or "vk-" + secrets.token_urlsafe(18)
 
 
-def build_app(run: RunFolder, key: str | None = None) -> FastAPI:
+def host_name(header: str) -> str:
+    """The host of a `Host` header, without its port (and an IPv6 address without brackets)."""
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    return header.rpartition(":")[0] if header.count(":") == 1 else header
+
+
+def build_app(run: RunFolder, key: str, allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
         yield
@@ -59,20 +67,25 @@ def build_app(run: RunFolder, key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="Rollover run viewer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
-    if key is not None:
+    allowed = {h.lower() for h in allowed_hosts}
 
-        @app.middleware("http")
-        async def require_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-            if request.url.path == "/healthz":
-                return await call_next(request)
-            given = request.query_params.get("key") or request.cookies.get(COOKIE) or _header_key(request)
-            if given is None or not hmac.compare_digest(given.encode(), key.encode()):
-                return _error(401, "unauthorized", "this viewer needs its key: open the URL it printed")
-            if "key" in request.query_params:  # keep it in a cookie and drop it from the address bar
-                response: Response = RedirectResponse(request.url.remove_query_params("key"), status_code=303)
-                response.set_cookie(COOKIE, key, httponly=True, samesite="strict")
-                return response
+    @app.middleware("http")
+    async def require_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        host = host_name(request.headers.get("host", "")).lower()
+        if not (is_loopback(host) or host in allowed):
+            return _error(
+                421, "unknown host", f"this viewer answers loopback names only, not {host!r} (see --allow-host)"
+            )
+        if request.url.path == "/healthz":
             return await call_next(request)
+        given = request.query_params.get("key") or request.cookies.get(COOKIE) or _header_key(request)
+        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+            return _error(401, "unauthorized", "this viewer needs its key: open the URL it printed")
+        if "key" in request.query_params:  # keep it in a cookie and drop it from the address bar
+            response: Response = RedirectResponse(request.url.remove_query_params("key"), status_code=303)
+            response.set_cookie(COOKIE, key, httponly=True, samesite="strict")
+            return response
+        return await call_next(request)
 
     @app.exception_handler(StarletteHTTPException)  # FastAPI's, and the router's own 404/405
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -168,13 +181,24 @@ class ViewerThread:
         from rollover.processes import free_port
 
         self.host, self.port = host, port or free_port(host)
-        config = uvicorn.Config(build_app(run, key), host=host, port=self.port, log_level="warning")
+        self.key = access_key(key)
+        config = uvicorn.Config(build_app(run, self.key), host=host, port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name="rollover-viewer", daemon=True)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}/"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a client sends to be let in."""
+        return {"x-api-key": self.key}
+
+    @property
+    def landing_url(self) -> str:
+        """The URL a browser opens once: the key then lives in a cookie."""
+        return f"{self.url}?key={self.key}"
 
     def __enter__(self) -> ViewerThread:
         import httpx
@@ -209,13 +233,16 @@ def serve(
     key: str | None = None,
     tokenizer: str | Path | None = None,
     log_level: str = "warning",
+    allowed_hosts: tuple[str, ...] = (),
 ) -> None:
     import uvicorn
 
     run = RunFolder(run_dir, tokenizer)
-    key = access_key(host, key)
+    key = access_key(key)
+    if host not in ("0.0.0.0", "::"):
+        allowed_hosts = (*allowed_hosts, host)  # the address it was bound to, asked for by name
     # torch (the trainer's advantages and samples) takes seconds to import: not on the first click
     threading.Thread(target=_warm_imports, name="viewer-imports", daemon=True).start()
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/"
-    print(f"viewing {run.run_dir} at {url}{f'?key={key}' if key else ''}", flush=True)
-    uvicorn.run(build_app(run, key), host=host, port=port, log_level=log_level)
+    print(f"viewing {run.run_dir} at {url}?key={key}", flush=True)
+    uvicorn.run(build_app(run, key, allowed_hosts), host=host, port=port, log_level=log_level)

@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
         try:
             from selenium.webdriver.support.ui import WebDriverWait
 
-            driver.get(viewer.url + route)
+            driver.get(viewer.landing_url + route)
             WebDriverWait(driver, 120).until(lambda d: d.execute_script("return document.body.dataset.rendered"))
             time.sleep(1)
             print(full_page_screenshot(driver, out))

@@ -23,7 +23,7 @@ def viewer(run_dir):
 
 
 def test_api_and_page(viewer):
-    with httpx.Client(base_url=viewer.url, timeout=30) as http:
+    with httpx.Client(base_url=viewer.url, headers=viewer.headers, timeout=30) as http:
         assert http.get("api/run").json()["n"] == 2
         assert http.get("api/metrics").json()["total"] == 4
         assert [r["step"] for r in http.get("api/metrics", params={"since": 3}).json()["rows"]] == [2]
@@ -55,7 +55,7 @@ def test_api_and_page(viewer):
     ],
 )
 def test_errors_are_json(viewer, path, status):
-    response = httpx.get(viewer.url + path, timeout=30)
+    response = httpx.get(viewer.url + path, headers=viewer.headers, timeout=30)
     assert response.status_code == status
     assert set(response.json()) == {"error", "reason"}
 
@@ -74,10 +74,21 @@ def test_a_key_guards_everything_and_lands_in_a_cookie(run_dir):
 def test_loopback_detection():
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.4") and not is_loopback("example.org")
-    assert access_key("127.0.0.1", None) is None
-    assert access_key("0.0.0.0", "mine") == "mine"
-    generated = access_key("0.0.0.0", None)
-    assert generated and generated != access_key("0.0.0.0", None)
+    assert access_key("mine") == "mine"
+    generated = access_key(None)  # always a key, loopback or not: any local process reaches loopback
+    assert generated and generated != access_key(None)
+
+
+def test_the_viewer_refuses_a_foreign_host_and_a_missing_key(viewer):
+    with httpx.Client(base_url=viewer.url, timeout=30) as http:
+        assert http.get("api/run").status_code == 401  # no key, even on loopback
+        for host in ("localhost:1234", "127.0.0.1", "[::1]:8765"):
+            assert http.get("api/run", headers={**viewer.headers, "Host": host}).status_code == 200, host
+        # DNS rebinding: a page at attacker.example that resolves to 127.0.0.1
+        for host in ("attacker.example", "attacker.example:8765", "127.0.0.1.attacker.example"):
+            refused = http.get("api/run", headers={**viewer.headers, "Host": host})
+            assert refused.status_code == 421 and set(refused.json()) == {"error", "reason"}, host
+            assert http.get("healthz", headers={"Host": host}).status_code == 421
 
 
 def test_view_command_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):

@@ -31,7 +31,7 @@ def viewer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api(viewer):
-    with httpx.Client(base_url=viewer.url, timeout=60) as client:
+    with httpx.Client(base_url=viewer.url, headers=viewer.headers, timeout=60) as client:
         yield lambda path, **params: client.get(path, params=params).json()
 
 
@@ -50,7 +50,7 @@ def open_page(driver, viewer, route: str, ready: str):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    driver.get(viewer.url + route)
+    driver.get(viewer.landing_url + route)
     WebDriverWait(driver, 60).until(lambda d: d.find_elements(By.CSS_SELECTOR, ready))
     return driver
 
