@@ -29,6 +29,11 @@ class GatewayConfig(Section):
     max_hold_seconds: float = Field(
         default=600, gt=0, description="with hold_while_paused: a call held this long gets the seed's 429"
     )
+    max_n: int | None = Field(
+        default=None,
+        gt=0,
+        description="choices one proxied call may ask for (n); more get 400; null = actor_rollout_ref.rollout.n",
+    )
     upstream_timeout_seconds: float = Field(default=600, gt=0, description="one engine call, at most")
     upstream_retries: int = Field(default=3, ge=0, description="retries of an engine call on 5xx or timeout")
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0, description="larger request bodies get 413")

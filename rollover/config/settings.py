@@ -25,6 +25,7 @@ class GatewaySettings(BaseModel):
     max_response_tokens: int | None = Field(
         default=None, gt=0, description="data.max_response_length: a call's response is capped here (null = no cap)"
     )
+    max_n: int = Field(default=1, gt=0, description="gateway.max_n, or actor_rollout_ref.rollout.n where that is null")
     partial_rollout: bool = Field(
         default=False,
         description="agentlightning.async_rollout.partial_rollout: calls are streamed from the engine and each token's version recorded",
@@ -45,6 +46,7 @@ class GatewaySettings(BaseModel):
             train_temperature=rollout.temperature,
             val_temperature=rollout.val_kwargs.effective_temperature,
             max_response_tokens=config.data.max_response_length,
+            max_n=config.gateway.max_n or rollout.n,
             partial_rollout=config.agentlightning.async_rollout.partial_rollout,
         )
         return settings.with_gateway(**gateway)
@@ -57,4 +59,7 @@ class GatewaySettings(BaseModel):
             section = GatewayConfig.model_validate(self.gateway.model_dump() | gateway)
         except ValidationError as exc:
             raise ConfigError.from_validation(exc, "gateway") from None
-        return self.model_copy(update={"gateway": section})
+        update: dict[str, Any] = {"gateway": section}
+        if section.max_n is not None:
+            update["max_n"] = section.max_n
+        return self.model_copy(update=update)

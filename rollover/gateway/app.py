@@ -29,6 +29,7 @@ from rollover.gateway.asgi import (
 from rollover.gateway.calls import CALL_ID_HEADER, ProxyCall, UpstreamError
 from rollover.gateway.proxy import ENDPOINTS
 from rollover.gateway.relay import forward_unless_disconnected, relay_stream
+from rollover.gateway.sampling import ForbiddenField, check_request
 from rollover.gateway.state import GatewayState
 from rollover.gateway.translated import (
     ANTHROPIC_COUNT_TOKENS_PATH,
@@ -294,6 +295,10 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
             served = ", ".join([*ENDPOINTS, "responses"])
             raise HTTPException(404, f"the proxy serves {served}, not {endpoint!r}")
         body = await json_object(request, settings.gateway.max_json_depth)
+        try:
+            check_request(body, endpoint, mode, state.settings.max_n)
+        except ForbiddenField as exc:
+            return error_response(400, "forbidden field", exc.reason)
         check_attempt(state, rollout_id, attempt_id)
         refused = await enter(state)
         if refused is not None:

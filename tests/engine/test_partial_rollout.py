@@ -141,11 +141,11 @@ def perturbed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return model, save_weights(model, tmp_path_factory.mktemp("perturbed") / "w")
 
 
-def rollout(gateway: GatewayThread) -> tuple[httpx.Client, str, str]:
+def rollout(gateway: GatewayThread, mode: str = "train") -> tuple[httpx.Client, str, str]:
     admin = httpx.Client(base_url=gateway.url, headers={"x-api-key": ADMIN_KEY}, timeout=60)
     rid = admin.post("/api/rollouts", json=[{"input": {}}]).json()[0]["rollout_id"]
     admin.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running", "last_attempt_id": "a1"}})
-    return admin, rid, f"{gateway.url}/proxy/rollout/{rid}/attempt/a1/mode/train/openai/v1"
+    return admin, rid, f"{gateway.url}/proxy/rollout/{rid}/attempt/a1/mode/{mode}/openai/v1"
 
 
 def agent(rid: str, base_url: str) -> openai.OpenAI:
@@ -186,7 +186,12 @@ class Crossed:
 
 @asynccontextmanager
 async def across_a_load(
-    engine: VLLMEngine, original: Path, new_weights: Path, request: Callable[[openai.OpenAI], Any], tokens: int = 20
+    engine: VLLMEngine,
+    original: Path,
+    new_weights: Path,
+    request: Callable[[openai.OpenAI], Any],
+    tokens: int = 20,
+    mode: str = "train",
 ) -> AsyncIterator[Crossed]:
     """`request` made by an agent behind a partial-rollout gateway; once the engine has generated
     `tokens` tokens, the new weights are loaded (the engine keeping its requests). The body runs
@@ -195,7 +200,7 @@ async def across_a_load(
     with GatewayThread(SETTINGS, admin_key=ADMIN_KEY) as gateway, keeping_requests(engine, gateway), busy(engine):
         await engine.register_with_gateway(gateway.url, ADMIN_KEY)
         version = engine.policy_version
-        admin, rid, base = rollout(gateway)
+        admin, rid, base = rollout(gateway, mode)
         # The other sequences are decoding first, then the call joins them: once the engine has
         # made `tokens` decode steps more (each a token of every sequence), the call has some.
         wait_generated(engine, generated_tokens(engine), BUSY * 4, None)
@@ -303,7 +308,8 @@ CALCULATE = {
 
 async def test_a_tool_call_that_spans_the_load_is_parsed(vllm_engine, tiny_model_dir, perturbed):
     """The reply is pinned with structured outputs (what is checked is the relay and the parser
-    across a load, not what a tiny model has learnt); long enough to be cut by the load."""
+    across a load, not what a tiny model has learnt); long enough to be cut by the load. Val
+    mode: structured decoding is refused in train mode (its logprobs are not the policy's)."""
     spec = {"name": "calculate", "arguments": {"expression": " + ".join(str(n) for n in range(100, 130))}}
 
     def request(client: openai.OpenAI) -> Any:
@@ -314,7 +320,7 @@ async def test_a_tool_call_that_spans_the_load_is_parsed(vllm_engine, tiny_model
             extra_body={"structured_outputs": {"choice": [f"<tool_call>\n{json.dumps(spec)}\n</tool_call>"]}},
         )
 
-    async with across_a_load(vllm_engine, tiny_model_dir, perturbed[1], request, tokens=10) as crossed:
+    async with across_a_load(vllm_engine, tiny_model_dir, perturbed[1], request, tokens=10, mode="val") as crossed:
         pass
     choice = crossed.reply.choices[0]
     assert choice.finish_reason == "tool_calls"
