@@ -10,7 +10,7 @@ import pytest
 
 from rollover.config import GatewaySettings, load_config
 from rollover.gateway.sampling import ForbiddenField, check_request
-from tests.gateway.test_proxy import agent_headers, proxy_url, registered, running_rollout  # noqa: F401
+from tests.gateway.test_proxy import agent_headers, proxy_url, running_rollout
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -89,7 +89,9 @@ def test_max_n_defaults_to_the_rollout_n() -> None:
     assert GatewaySettings.from_config(config, max_n=2).max_n == 2
 
 
-def test_the_proxy_answers_400_naming_the_field_and_sends_nothing(gateway, admin, registered) -> None:
+def test_the_proxy_answers_400_naming_the_field_and_sends_nothing(gateway, admin, stub) -> None:
+    admin.post("/api/models", json=[{"model": "policy", "endpoint": stub.base_url}])
+    registered = stub
     rid = running_rollout(admin)
     sent_before = len(registered.behaviour.requests)
     for field, value in (("logit_bias", {"5": 50}), ("n", 50)):
