@@ -1,0 +1,172 @@
+"""A hostile agent, run by the real controller beside a victim agent, tries every way around
+the gateway: the store, the weights and checkpoints, the victim's log and environment, the
+fork server's pipes, the engine, the TCPStore, the viewer, a forbidden sampling field.
+
+In the sandbox (the default) every attack fails and the run's rewards, store and weights are
+as they were. With `sandbox: false` the same agent gets through the file and process attacks:
+the test can fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import sqlite3
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollover.controller import Controller
+from rollover.gateway.client import GatewayClient
+from rollover.gateway.server import GatewayThread
+from rollover.processes import free_port
+from rollover.store.models import RolloutCreate, RolloutState
+from rollover.testing.stub_upstream import StubUpstream
+from rollover.viewer.app import ViewerThread
+from rollover.viewer.data import RunFolder
+from tests.controller.conftest import make_config, wait_for_rollout
+
+ADMIN_KEY = "security-test-admin-key"
+AGENT = "tests.security.hostile:Agent"
+# What the sandbox must stop, and what gets through without it (files and processes: the
+# network attacks need the sandbox's network namespace, the rest the gateway's own checks).
+EVERY_ATTACK = {
+    "read_store",
+    "write_store",
+    "read_weights",
+    "write_weights",
+    "read_checkpoints",
+    "read_victim_log",
+    "read_other_environments",
+    "fork_server_pipes",
+    "tcp_store",
+    "engines",
+    "viewer",
+    "forbidden_sampling",
+}
+THROUGH_WITHOUT_SANDBOX = {
+    "read_store",
+    "write_store",
+    "read_weights",
+    "write_weights",
+    "read_checkpoints",
+    "read_victim_log",
+    "read_other_environments",
+    "fork_server_pipes",
+    "tcp_store",
+    "engines",
+}
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    store: Path
+    weights: Path
+    gateway: GatewayThread
+    engine: StubUpstream
+    viewer: ViewerThread
+    tcp_store_port: int
+
+
+def host_addresses() -> list[str]:
+    try:
+        addresses = socket.gethostbyname_ex(socket.gethostname())[2]
+    except OSError:
+        return []
+    return [a for a in addresses if not a.startswith("127.")]
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Iterator[Run]:
+    import torch.distributed as dist
+
+    run_dir = tmp_path / "runs" / "attacked"
+    run_dir.mkdir(parents=True, mode=0o700)
+    weights = run_dir / "weights" / "node0" / "model.safetensors"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"weights " * 1000)
+    (run_dir / "checkpoints" / "step_1").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_1" / "trainer_state.json").write_text("{}")
+    store = run_dir / "store.db"
+    tcp_port = free_port()
+    tcp_store = dist.TCPStore("127.0.0.1", tcp_port, 1, is_master=True, wait_for_workers=False)
+    with (
+        GatewayThread(store=str(store), admin_key=ADMIN_KEY) as gateway,
+        StubUpstream() as engine,
+        ViewerThread(RunFolder(run_dir)) as viewer,
+    ):
+        yield Run(run_dir, store, weights, gateway, engine, viewer, tcp_port)
+    del tcp_store
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+async def attack(run: Run, sandbox: bool, start_method: str = "forkserver") -> tuple[dict[str, Any], dict[str, Any]]:
+    """The victim and the hostile agent, run by a controller; the hostile agent's results and
+    the victim's rollout at the end."""
+    config = make_config(local={"agent_class": AGENT, "sandbox": sandbox, "start_method": start_method})
+    async with GatewayClient(run.gateway.url, ADMIN_KEY) as client:
+        await client.register_models([{"model": "policy", "endpoint": run.engine.base_url + "/v1"}])
+        victim_id, hostile_id = f"victim-{time.monotonic_ns()}", f"hostile-{time.monotonic_ns()}"
+        async with Controller(
+            config, client, log_dir=run.run_dir / "agent_logs", poll_interval=0.1, hidden_paths=(run.run_dir,)
+        ):
+            await client.enqueue([RolloutCreate(rollout_id=victim_id, input={"role": "victim"})])
+            deadline = time.monotonic() + 60
+            while not await client.events(victim_id, event_type="ready"):
+                assert time.monotonic() < deadline, "the victim never started"
+                await asyncio.sleep(0.1)
+            hostile_input = {
+                "role": "hostile",
+                "store": str(run.store),
+                "weights": str(run.weights),
+                "checkpoints": str(run.run_dir / "checkpoints"),
+                "logs": str(run.run_dir / "agent_logs"),
+                "engine": run.engine.base_url,
+                "tcp_store_port": run.tcp_store_port,
+                "host_addresses": host_addresses(),
+                "viewer": run.viewer.url,
+            }
+            await client.enqueue([RolloutCreate(rollout_id=hostile_id, input=hostile_input)])
+            hostile = await wait_for_rollout(client, hostile_id, timeout=120)
+            assert hostile.state == RolloutState.SUCCEEDED, hostile.status
+            await client.add_event(victim_id, "a1", "release", {})
+            victim = await wait_for_rollout(client, victim_id, timeout=60)
+            assert victim.state == RolloutState.SUCCEEDED, victim.status
+        [attacks] = await client.events(hostile_id, event_type="attacks")
+        rewards = [e.data["value"] for e in await client.events(victim_id, event_type="reward")]
+    return attacks.data, {"rewards": rewards}
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
+def test_in_the_sandbox_every_attack_fails_and_the_run_is_untouched(run: Run, start_method: str) -> None:
+    weights_before = digest(run.weights)
+    results, victim = asyncio.run(attack(run, sandbox=True, start_method=start_method))
+    assert set(results) == EVERY_ATTACK
+    through = {name: r["detail"] for name, r in results.items() if r["succeeded"]}
+    assert through == {}, through
+    assert victim["rewards"] == [1.0]
+    assert digest(run.weights) == weights_before
+    assert not (run.weights.parent / "hostile.bin").exists()
+    with sqlite3.connect(run.store) as db:
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
+        assert "hostile_probe" not in tables
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_without_the_sandbox_the_same_agent_gets_through(run: Run) -> None:
+    results, _ = asyncio.run(attack(run, sandbox=False))
+    through = {name for name, r in results.items() if r["succeeded"]}
+    details = {name: r["detail"] for name, r in results.items()}
+    assert THROUGH_WITHOUT_SANDBOX <= through, details
+    # The gateway's and the viewer's own checks hold either way.
+    assert not results["forbidden_sampling"]["succeeded"] and not results["viewer"]["succeeded"], details
+    assert (run.weights.parent / "hostile.bin").exists()
