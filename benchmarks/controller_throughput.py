@@ -8,12 +8,14 @@ agents do, with `AgentContext` and the OpenAI client; the `stdlib` one with urll
 
 Every start method of the local runner runs the same workload in one run (`forkserver`:
 agents forked from a process that imported the SDK once; `spawn`: a fresh interpreter per
-agent). Prints, per method: rollouts started and finished per second, and the overhead
-from the claim (the rollout's `started_at`) to the agent's first LLM call reaching the
-upstream, in ms; then the ratios between the methods, and the bare cost of starting a
-Python interpreter on this machine.
+agent), each in the agent sandbox and without it (`--sandbox both`, the default; the
+sandbox's calls go through its bridge to the gateway). Prints, per method: rollouts started
+and finished per second, and the overhead from the claim (the rollout's `started_at`) to the
+agent's first LLM call reaching the upstream, in ms; then the ratios between the methods and
+between sandboxed and not, and the bare cost of starting a Python interpreter on this machine.
 
 Usage: python benchmarks/controller_throughput.py [--rollouts 64] [--concurrency 16] [--agent sdk|stdlib]
+    [--sandbox both|on|off]
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def main() -> None:
     parser.add_argument("--poll-interval", type=float, default=0.25)
     parser.add_argument("--agent", choices=["sdk", "stdlib"], default="sdk")
     parser.add_argument("--start-methods", default="forkserver,spawn")
+    parser.add_argument("--sandbox", choices=["both", "on", "off"], default="both")
     args = parser.parse_args()
     agent_class = "benchmarks.controller_throughput:" + ("SdkAgent" if args.agent == "sdk" else "BenchAgent")
 
@@ -128,7 +131,7 @@ def main() -> None:
             samples.append((time.perf_counter() - started) * 1000)
         return statistics.median(samples)
 
-    async def bench(gateway_url: str, key: str, log_dir: str, start_method: str) -> dict[str, float]:
+    async def bench(gateway_url: str, key: str, log_dir: str, start_method: str, sandbox: bool) -> dict[str, float]:
         config = validate_config(
             {
                 "agentlightning": {
@@ -136,6 +139,7 @@ def main() -> None:
                         "agent_class": agent_class,
                         "max_concurrency": args.concurrency,
                         "start_method": start_method,
+                        "sandbox": sandbox,
                     },
                     "rollout_timeout_seconds": 120,
                 }
@@ -145,7 +149,7 @@ def main() -> None:
         async with GatewayClient(gateway_url, key) as client:
             await client.register_models([{"model": "policy", "endpoint": f"http://127.0.0.1:{upstream_port}/v1"}])
             async with Controller(config, client, log_dir=log_dir, poll_interval=args.poll_interval):
-                ids = [f"bench-{start_method}-{i:04d}" for i in range(args.rollouts)]
+                ids = [f"bench-{start_method}-{sandbox}-{i:04d}" for i in range(args.rollouts)]
                 started = time.perf_counter()
                 await client.enqueue([RolloutCreate(rollout_id=rid, input={}) for rid in ids])
                 while True:
@@ -173,26 +177,38 @@ def main() -> None:
         }
 
     async def bench_all(gateway_url: str, key: str, log_dir: str) -> None:
-        methods = args.start_methods.split(",")
-        results = {m: await bench(gateway_url, key, f"{log_dir}/{m}", m) for m in methods}
+        sandboxes = {"both": [False, True], "on": [True], "off": [False]}[args.sandbox]
+        results = {}
+        for method in args.start_methods.split(","):
+            for sandbox in sandboxes:
+                name = f"{method}{'+sandbox' if sandbox else ''}"
+                results[name] = await bench(gateway_url, key, f"{log_dir}/{name}", method, sandbox)
         print(
             f"rollouts: {args.rollouts}, concurrency: {args.concurrency}, agent: {args.agent}, "
             f"poll interval: {args.poll_interval}s, cores: {os.cpu_count()}, load: {os.getloadavg()[0]:.1f}"
         )
         print(
-            f"{'start method':<12} {'rollouts/s':>10} {'claim->LLM p50':>15} {'p90':>7} {'max':>7} {'rollout p50':>12} {'failed':>6}"
+            f"{'start method':<18} {'rollouts/s':>10} {'claim->LLM p50':>15} {'p90':>7} {'max':>7} {'rollout p50':>12} {'failed':>6}"
         )
         for method, r in results.items():
             print(
-                f"{method:<12} {r['throughput']:>10.1f} {r['start_p50']:>12.0f} ms {r['start_p90']:>7.0f} {r['start_max']:>7.0f}"
+                f"{method:<18} {r['throughput']:>10.1f} {r['start_p50']:>12.0f} ms {r['start_p90']:>7.0f} {r['start_max']:>7.0f}"
                 f" {r['run_p50']:>9.0f} ms {r['failed']:>6.0f}"
             )
-        if "forkserver" in results and "spawn" in results:
-            fork, spawn = results["forkserver"], results["spawn"]
-            print(
-                f"forkserver / spawn: throughput x{fork['throughput'] / spawn['throughput']:.2f}, "
-                f"claim -> first LLM call p50 x{fork['start_p50'] / spawn['start_p50']:.2f}"
-            )
+        for suffix in ("", "+sandbox"):
+            if f"forkserver{suffix}" in results and f"spawn{suffix}" in results:
+                fork, spawn = results[f"forkserver{suffix}"], results[f"spawn{suffix}"]
+                print(
+                    f"forkserver{suffix} / spawn{suffix}: throughput x{fork['throughput'] / spawn['throughput']:.2f}, "
+                    f"claim -> first LLM call p50 x{fork['start_p50'] / spawn['start_p50']:.2f}"
+                )
+        for method in args.start_methods.split(","):
+            if method in results and f"{method}+sandbox" in results:
+                plain, boxed = results[method], results[f"{method}+sandbox"]
+                print(
+                    f"{method}: sandbox / none: throughput x{boxed['throughput'] / plain['throughput']:.2f}, "
+                    f"claim -> first LLM call p50 {boxed['start_p50']:.0f} ms vs {plain['start_p50']:.0f} ms"
+                )
         print(f"for reference, a bare `python -c 'import urllib.request'`: {python_startup_ms():.0f} ms")
 
     key = "bench-admin"

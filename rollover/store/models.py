@@ -6,14 +6,17 @@ import math
 import os
 import time
 from enum import Enum
-from typing import Any
+from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StrictBool,
     computed_field,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -263,22 +266,49 @@ class TerminalRolloutsPage(_Wire):
     total_terminal: int
 
 
+# A name an engine serves or an agent asks for: something visible, with no space or control
+# character (a trailing newline would never match what an agent sends).
+ServedName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\s\x00-\x1f\x7f]+$")]
+
+
+def check_endpoint_url(url: str) -> str:
+    """An engine's base URL the proxy can call: http(s), a host, a port in 1..65535, no
+    credentials, query or fragment."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http(s)://host[:port][/path] URL, got {url!r:.200}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"has a port outside 1..65535: {url!r:.200}") from None
+    if port == 0:
+        raise ValueError(f"has a port outside 1..65535: {url!r:.200}")
+    if parts.username or parts.password or parts.query or parts.fragment:
+        raise ValueError(f"must carry no credentials, query or fragment: {url!r:.200}")
+    return url
+
+
 class ModelEndpoint(_Wire):
-    model: str = Field(min_length=1)
-    endpoint: str = Field(min_length=1, pattern=r"^https?://")
+    model: ServedName
+    endpoint: str = Field(min_length=1, max_length=2000)
     policy_version: int = Field(0, ge=0, le=MAX_INT64)
     # In rotation: the proxy sends calls only to live endpoints. A registration leaves it out
     # (Agent Lightning's clients do) and is live; an engine that died is taken out until it
-    # registers again.
-    live: bool = True
+    # registers again. Strict: "yes" or 1 is a mistake, not a true.
+    live: StrictBool = True
     # Partial rollout: the engine has frozen its requests for a weight load; its calls' upstream
     # deadlines stand still until it registers again, unfrozen (with its new version).
-    frozen: bool = False
+    frozen: StrictBool = False
     # Several policies (LoRA adapters) on one engine: policy name -> the model name the engine
     # serves it under now (e.g. "planner" -> "planner-v3"). An agent picks one by the `model`
     # of its call, and a call asking for no policy of these is refused (404). Empty: one policy,
     # every call goes to `model` whatever the agent asked for.
-    policies: dict[str, str] = Field(default_factory=dict)
+    policies: dict[ServedName, ServedName] = Field(default_factory=dict)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _callable_url(cls, value: str) -> str:
+        return check_endpoint_url(value)
 
     @model_serializer(mode="wrap")
     def _one_policy_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -308,7 +338,7 @@ class ModelEndpoint(_Wire):
 class EndpointPatch(_Wire):
     """`PATCH /api/models?endpoint=URL`: take a registered endpoint out of rotation or back in."""
 
-    live: bool
+    live: StrictBool
 
 
 class PauseRequest(_Wire):

@@ -170,3 +170,37 @@ def test_without_the_sandbox_the_same_agent_gets_through(run: Run) -> None:
     # The gateway's and the viewer's own checks hold either way.
     assert not results["forbidden_sampling"]["succeeded"] and not results["viewer"]["succeeded"], details
     assert (run.weights.parent / "hostile.bin").exists()
+
+
+@pytest.mark.slow
+def test_the_sandbox_holds_for_a_normal_user_too() -> None:
+    """The same attacks from a controller that is not root (a user namespace maps it to uid
+    1000): bubblewrap then makes the user namespace itself and agents keep that uid."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root to make a user namespace with another uid (CI runs as root)")
+    test = f"{__file__}::test_in_the_sandbox_every_attack_fails_and_the_run_is_untouched[forkserver]"
+    inner = subprocess.run(
+        [
+            "unshare",
+            "--user",
+            "--map-user=1000",
+            "--map-group=1000",
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            test,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert inner.returncode == 0, inner.stdout[-3000:] + inner.stderr[-2000:]
+    assert "1 passed" in inner.stdout
