@@ -153,14 +153,10 @@ class Report:
 
 
 @contextmanager
-def agent_environment(median: float, sigma: float, response_tokens: int = 256) -> Iterator[None]:
-    """The calc agents' tool latency, the long-answer agents' length, and ROOT on their
-    PYTHONPATH; restored afterwards."""
-    names = ("ROLLOVER_CALC_LATENCY_MEDIAN", "ROLLOVER_CALC_LATENCY_SIGMA", "ROLLOVER_LONG_ANSWER_TOKENS", "PYTHONPATH")
+def agent_environment() -> Iterator[None]:
+    """ROOT on the agents' PYTHONPATH (their knobs are in `mode_config`); restored afterwards."""
+    names = ("PYTHONPATH",)
     saved = {name: os.environ.get(name) for name in names}
-    os.environ["ROLLOVER_CALC_LATENCY_MEDIAN"] = str(median)
-    os.environ["ROLLOVER_CALC_LATENCY_SIGMA"] = str(sigma)
-    os.environ["ROLLOVER_LONG_ANSWER_TOKENS"] = str(response_tokens)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
     try:
         yield
@@ -213,6 +209,10 @@ def mode_config(
         f"trainer.seed={settings.seed}",
         f"agentlightning.async_rollout.enabled={'true' if window is not None else 'false'}",
         f"agentlightning.async_rollout.async_train_batch_size={window if window is not None else 'null'}",
+        # The agents' knobs: their environment is an allowlist plus agentlightning.local.env.
+        f"agentlightning.local.env.ROLLOVER_CALC_LATENCY_MEDIAN='{settings.median}'",
+        f"agentlightning.local.env.ROLLOVER_CALC_LATENCY_SIGMA='{settings.sigma}'",
+        f"agentlightning.local.env.ROLLOVER_LONG_ANSWER_TOKENS='{settings.response_tokens}'",
     ]
     if settings.retry_after is not None:
         overrides.append(f"gateway.retry_after_seconds={settings.retry_after}")
@@ -358,7 +358,7 @@ def run_benchmark(settings: Settings, multipliers: Sequence[float] = (2.0,), eng
     import rollover.training.policy  # noqa: F401
 
     try:
-        with agent_environment(settings.median, settings.sigma, settings.response_tokens):
+        with agent_environment():
             sync = run_mode(settings, engine, model, data, None)
             asyncs = [run_mode(settings, engine, model, data, w) for w in windows]
     finally:

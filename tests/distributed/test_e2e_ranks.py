@@ -58,6 +58,7 @@ def run_overrides(root: Path, calc_model: Path, name: str, *extra: str) -> list[
         "agentlightning.async_rollout.async_train_batch_size=8",
         # plumbing, not learning: no zero-variance filter (its top-ups cost whole extra groups)
         "algorithm.filter_groups.enable=false",
+        "agentlightning.local.env.ROLLOVER_CALC_LATENCY_MEDIAN='0.3'",
         *extra,
     ]
 
@@ -78,16 +79,7 @@ def calls_per_engine(run_dir: Path) -> Counter:
 
 
 @pytest.fixture(scope="module")
-def calc_env():
-    saved = dict(os.environ)
-    os.environ["ROLLOVER_CALC_LATENCY_MEDIAN"] = "0.3"
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-@pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory, calc_model, calc_env):
+def two_rank_run(tmp_path_factory, calc_model):
     root = tmp_path_factory.mktemp("ranks")
     done = subprocess.run(
         train_command(root, calc_model, "trainer.n_gpus_per_node=2", "trainer.total_training_steps=3"),
@@ -186,7 +178,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_two_nodes_on_loopback(tmp_path, calc_model, calc_env):
+def test_two_nodes_on_loopback(tmp_path, calc_model):
     """Two launcher invocations, as on two machines: `torchrun --nnodes 2 ... -m rollover.distributed`."""
     overrides = run_overrides(
         tmp_path,

@@ -202,10 +202,9 @@ def test_prepare_writes_cached_data(tmp_path, monkeypatch):
 
 
 @pytest.mark.vllm
-def test_gsm8k_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch):
+def test_gsm8k_training_smoke(tmp_path, calc_model, vllm_engine):
     """The tiny calc model knows nothing of GSM: rewards are ~0; the point is that the whole
     loop runs, every agent reports a reward, and the async metrics are written."""
-    monkeypatch.setenv("ROLLOVER_GSM_MAX_TOKENS", "16")
     train, val = make_splits(40, 8, seed=5)
     short = [t for t in train if len(t["question"]) < 260]  # fits the test engine's 512 tokens
     write_tasks(tmp_path / "train.jsonl", short)
@@ -221,6 +220,7 @@ def test_gsm8k_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch):
         "data.val_batch_size=2",
         "data.train_batch_size=2",
         "agentlightning.async_rollout.async_train_batch_size=4",
+        "agentlightning.local.env.ROLLOVER_GSM_MAX_TOKENS='16'",
         engine=vllm_engine,
     )
     for row in train_rows:

@@ -467,11 +467,9 @@ def test_k8s_job_template_renders(tasks):
 
 
 @pytest.mark.vllm
-def test_smith_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch, tasks):
+def test_smith_training_smoke(tmp_path, calc_model, vllm_engine, tasks):
     """The tiny calc model cannot fix bugs (rewards ~0); the whole loop must run, with every
     agent reporting a reward and the async metrics written."""
-    monkeypatch.setenv("ROLLOVER_SMITH_MAX_TOKENS", "16")
-    monkeypatch.setenv("ROLLOVER_SMITH_MAX_STEPS", "2")
     write_tasks(tmp_path / "train.jsonl", tasks[:4])
     write_tasks(tmp_path / "val.jsonl", tasks[4:])
     train_rows, val_rows = train_briefly(
@@ -483,6 +481,8 @@ def test_smith_training_smoke(tmp_path, calc_model, vllm_engine, monkeypatch, ta
         f"data.train_files={tmp_path / 'train.jsonl'}",
         f"data.val_files={tmp_path / 'val.jsonl'}",
         "data.val_batch_size=2",
+        "agentlightning.local.env.ROLLOVER_SMITH_MAX_TOKENS='16'",
+        "agentlightning.local.env.ROLLOVER_SMITH_MAX_STEPS='2'",
         engine=vllm_engine,
     )
     config = load_config(SMITH_CONFIG, [])

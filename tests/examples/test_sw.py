@@ -311,14 +311,13 @@ def test_config_presets_async_at_twice_the_batch() -> None:
 @pytest.mark.vllm
 def test_two_training_steps_through_the_real_system(tmp_path: Path, calc_model: Path, vllm_engine, monkeypatch) -> None:
     # The session's engine serves the tiny calc model with a 512-token context.
-    for name, value in {
+    monkeypatch.setenv("ROLLOVER_SW_JVMS", "2")  # the run's JVM pool, started by the trainer
+    agent_knobs = {
         "ROLLOVER_SW_MAX_STEPS": "3",
         "ROLLOVER_SW_MAX_TOKENS": "16",
         "ROLLOVER_SW_OBS_CHARS": "80",
         "ROLLOVER_SW_PROMPT_CHARS": "750",  # at most ~430 of the tiny tokenizer's tokens
-        "ROLLOVER_SW_JVMS": "2",  # the run's JVM pool
-    }.items():
-        monkeypatch.setenv(name, value)
+    }
     marker = f"ROLLOVER_SW_TEST_RUN={uuid.uuid4().hex}"  # inherited by the agents and their JVMs
     monkeypatch.setenv(*marker.split("="))
     train, val = train_briefly(
@@ -334,6 +333,7 @@ def test_two_training_steps_through_the_real_system(tmp_path: Path, calc_model: 
         "actor_rollout_ref.rollout.n=2",
         "agentlightning.async_rollout.async_train_batch_size=2",
         "agentlightning.rollout_timeout_seconds=180",
+        *(f"agentlightning.local.env.{name}='{value}'" for name, value in agent_knobs.items()),
         engine=vllm_engine,
     )
     for row in train:

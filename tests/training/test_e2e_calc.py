@@ -15,9 +15,12 @@ CALC_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "calc" / "confi
 
 
 @pytest.fixture
-def long_tailed_tools(monkeypatch):
-    monkeypatch.setenv("ROLLOVER_CALC_LATENCY_MEDIAN", "0.3")
-    monkeypatch.setenv("ROLLOVER_CALC_LATENCY_SIGMA", "1.0")
+def long_tailed_tools() -> tuple[str, ...]:
+    """The calc tool's latency, in the agents' environment (`agentlightning.local.env`)."""
+    return (
+        "agentlightning.local.env.ROLLOVER_CALC_LATENCY_MEDIAN='0.3'",
+        "agentlightning.local.env.ROLLOVER_CALC_LATENCY_SIGMA='1.0'",
+    )
 
 
 def test_async_training_end_to_end(tmp_path, calc_model, vllm_engine, long_tailed_tools):
@@ -30,6 +33,7 @@ def test_async_training_end_to_end(tmp_path, calc_model, vllm_engine, long_taile
         steps,
         "agentlightning.async_rollout.enabled=true",
         "agentlightning.async_rollout.async_train_batch_size=8",
+        *long_tailed_tools,
         engine=vllm_engine,
     )
     for row in train:
@@ -67,6 +71,7 @@ def test_sync_training_end_to_end(tmp_path, calc_model, vllm_engine, long_tailed
         steps,
         "data.val_batch_size=16",
         "algorithm.filter_groups.enable=false",  # each step's 16 rollouts, no top-up groups
+        *long_tailed_tools,
         engine=vllm_engine,
     )
     assert len(val) == 2
