@@ -35,7 +35,10 @@ class ModelConfig(Section):
         default_factory=FusedKernelOptions, description="verl's fused-kernel options"
     )
     lora_rank: int = Field(
-        default=0, ge=0, description="LoRA: the adapter's rank; 0 = off (the whole model is trained and synced)"
+        default=0,
+        ge=0,
+        le=512,
+        description="LoRA: the adapter's rank; 0 = off (the whole model is trained and synced); at most 512, vLLM's largest",
     )
     lora_alpha: int = Field(default=16, gt=0, description="LoRA scaling factor (the update is scaled by alpha / rank)")
     target_modules: str | list[str] = Field(
@@ -124,7 +127,9 @@ class RolloutConfig(Section):
     max_num_batched_tokens: int | None = Field(
         default=None, gt=0, description="vLLM tokens per scheduler step; null = vLLM's default"
     )
-    engine_args: list[str] = Field(default=[], description="extra vLLM server arguments")
+    engine_args: list[str] = Field(
+        default=[], description="extra vLLM server arguments (not --api-key: Rollover closes its engines itself)"
+    )
     engine_kwargs: dict[str, dict[str, Any]] = Field(
         default={},
         description="verl's engine_kwargs: vllm.NAME: VALUE is the server flag --NAME VALUE (true: bare flag)",
@@ -158,12 +163,24 @@ class RolloutConfig(Section):
         default_factory=CheckpointEngineConfig, description="how updated weights reach the engines"
     )
     max_loras: int = Field(
-        default=1, gt=0, description="LoRA: adapters vLLM runs in one batch (--max-loras); with lora_rank > 0 only"
+        default=1,
+        gt=0,
+        le=256,
+        description="LoRA: adapters vLLM runs in one batch (--max-loras, at most 256: each holds GPU memory); with lora_rank > 0 only",
     )
     max_lora_rank: VLLMLoraRank | None = Field(
         default=None,
         description="LoRA: the largest adapter rank vLLM accepts (--max-lora-rank); null = lora_rank rounded up to one vLLM takes",
     )
+
+    @field_validator("engine_args")
+    @classmethod
+    def _no_api_key(cls, value: list[str]) -> list[str]:
+        if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in value):
+            raise ValueError(
+                "must not set --api-key: the engine's access is Rollover's own (see the README's Security model)"
+            )
+        return value
 
     @field_validator("name")
     @classmethod
@@ -222,10 +239,18 @@ class RolloutConfig(Section):
 class OptimConfig(Section):
     lr: float = Field(default=1e-5, gt=0, description="AdamW learning rate (the schedule's peak)")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
-    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas, each in [0, 1)")
     lr_warmup_steps: int = Field(
-        default=-1, description="updates of linear warm-up from 0; -1 = lr_warmup_steps_ratio decides"
+        default=-1, ge=-1, description="updates of linear warm-up from 0; -1 = lr_warmup_steps_ratio decides"
     )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_below_one(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= beta < 1 for beta in value):
+            raise ValueError(f"each beta must be in [0, 1), got {list(value)}")
+        return value
+
     lr_warmup_steps_ratio: float = Field(
         default=0.0, ge=0, le=1, description="warm-up as a share of trainer.total_training_steps"
     )

@@ -132,7 +132,7 @@ class TraceAggregatorConfig(Section):
     )
 
 
-POLICY_NAME = r"^[A-Za-z][A-Za-z0-9_]{0,62}$"
+POLICY_NAME = r"[A-Za-z][A-Za-z0-9_]{0,62}"
 
 
 class PolicyConfig(Section):
@@ -187,7 +187,7 @@ class AgentLightningConfig(Section):
     @classmethod
     def _policy_names(cls, value: dict[str, PolicyConfig]) -> dict[str, PolicyConfig]:
         for name in value:
-            if not re.match(POLICY_NAME, name):
+            if not re.fullmatch(POLICY_NAME, name):
                 raise ValueError(
                     f"policy name {name!r} must start with a letter and hold only letters, digits and '_'"
                     " (it is the model name agents ask for; the engine serves it as '<name>-v<version>')"

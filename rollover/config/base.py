@@ -18,9 +18,10 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    """A config section: unknown keys are errors, assignments are validated."""
+    """A config section: unknown keys are errors, assignments are validated, and no number
+    is infinite or NaN (an `inf` learning rate or temperature would break the run later)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 Temperature = Annotated[float, Field(ge=0.0)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -36,7 +37,22 @@ class RolloverConfig(Section):
         self.check_async_window()
         self.check_device_pool()
         self.check_lora()
+        self.check_kl_horizon()
         return self
+
+    def check_kl_horizon(self) -> None:
+        """The adaptive KL coefficient moves by up to 20% x rollouts per update / horizon each
+        update: past 100% it would turn negative (a bonus for drifting from the reference)."""
+        ctrl = self.algorithm.kl_ctrl
+        if ctrl.type != "adaptive":
+            return
+        window = self.agentlightning.async_rollout.async_train_batch_size or self.data.train_batch_size
+        per_update = window * self.actor_rollout_ref.rollout.n
+        if 0.2 * per_update >= ctrl.horizon:
+            raise ValueError(
+                f"algorithm.kl_ctrl.horizon={ctrl.horizon} is too small: with up to {per_update} rollouts per update"
+                f" the adaptive coefficient could turn negative; it must exceed {math.ceil(0.2 * per_update)}"
+            )
 
     @property
     def world_size(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rollover.config.base import Section
 
@@ -15,7 +15,20 @@ class TrainerConfig(Section):
         default=None, description='"pkg.module:function" run first; may build data and model (examples use it)'
     )
     project_name: str = Field(default="rollover", description="project name for the loggers")
-    experiment_name: str = Field(default="run", description="experiment name for the loggers and the run folder")
+    experiment_name: str = Field(
+        default="run",
+        min_length=1,
+        description="experiment name for the loggers and the run folder (a folder name: no '/' and not '..')",
+    )
+
+    @field_validator("experiment_name")
+    @classmethod
+    def _one_folder_name(cls, value: str) -> str:
+        # It names a folder under default_local_dir, which is renamed when a fresh run reuses it.
+        if "/" in value or "\\" in value or "\0" in value or value in (".", ".."):
+            raise ValueError(f"must be a single folder name (no '/', '\\' or NUL, not '.' or '..'), got {value!r}")
+        return value
+
     default_local_dir: str = Field(default="runs", description="run folder = <default_local_dir>/<experiment_name>")
     total_training_steps: int | None = Field(
         default=10, gt=0, description="updates, then the run ends; null = total_epochs passes over the training tasks"
