@@ -169,6 +169,23 @@ def _inject_env(container: dict[str, Any], env: dict[str, str], defaults: dict[s
     container["env"] = kept + [{"name": name, "value": value} for name, value in {**added, **env}.items()]
 
 
+def key_secret_name(job_name: str) -> str:
+    """The Secret that holds a Job's attempt key (deleted with the Job)."""
+    return f"{job_name}-key"
+
+
+KEY_SECRET_ENTRY = "AGL_KEY"
+
+
+def _key_from_secret(container: dict[str, Any], key: str, secret: str) -> None:
+    """Every variable whose value is the attempt key (AGL_KEY, OPENAI_API_KEY, ...) reads it
+    from the Job's Secret instead: the key never sits in clear in the Job's spec."""
+    for entry in container.get("env") or []:
+        if isinstance(entry, dict) and entry.get("value") == key:
+            del entry["value"]
+            entry["valueFrom"] = {"secretKeyRef": {"name": secret, "key": KEY_SECRET_ENTRY}}
+
+
 def build_job(
     manifest: dict[str, Any],
     *,
@@ -181,7 +198,9 @@ def build_job(
     deadline_seconds: int,
     defaults: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The rendered manifest plus the fields the controller relies on."""
+    """The rendered manifest plus the fields the controller relies on: its labels, no retries,
+    the TTL and deadline, the agent env (the attempt key from the Job's Secret) in every
+    container, and no service-account token in the pod (an agent needs no Kubernetes API)."""
     job = copy.deepcopy(manifest)
     labels = {
         ROLLOUT_LABEL: label_value(rollout_id),
@@ -205,7 +224,22 @@ def build_job(
     pod["metadata"] = pod_metadata
     pod_spec = pod["spec"]
     pod_spec["restartPolicy"] = "Never"
-    for key in ("initContainers", "containers"):
-        for container in pod_spec.get(key) or []:
+    pod_spec["automountServiceAccountToken"] = False
+    key = env.get("AGL_KEY")
+    for kind in ("initContainers", "containers"):
+        for container in pod_spec.get(kind) or []:
             _inject_env(container, env, defaults or {})
+            if key:
+                _key_from_secret(container, key, key_secret_name(job_name))
     return job
+
+
+def key_secret(job_name: str, namespace: str, key: str, labels: dict[str, str]) -> dict[str, Any]:
+    """The Secret a Job's pod reads its attempt key from."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": key_secret_name(job_name), "namespace": namespace, "labels": labels},
+        "type": "Opaque",
+        "stringData": {KEY_SECRET_ENTRY: key},
+    }

@@ -27,7 +27,15 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config.config_exception import ConfigException
 
 from rollover.config import K8sRunnerConfig
-from rollover.controller.job_template import SELECTOR, JobTemplate, JobTemplateError, build_job, job_name_for
+from rollover.controller.job_template import (
+    SELECTOR,
+    JobTemplate,
+    JobTemplateError,
+    build_job,
+    job_name_for,
+    key_secret,
+    key_secret_name,
+)
 from rollover.controller.runner import ControllerConfigError, LaunchError, LaunchSpec, Outcome
 from rollover.retry import RetryPolicy, call_with_retries
 from rollover.store.models import Rollout
@@ -141,6 +149,7 @@ class K8sRunner:
         self._api = api_client
         self._own_api = api_client is None
         self._batch: Any = None
+        self._core: Any = None
         self._bucket = TokenBucket(config.jobs_per_minute / 60.0)
         self._jobs: dict[str, K8sExecution] = {}
         self._templates: dict[str, JobTemplate] = {}
@@ -170,6 +179,7 @@ class K8sRunner:
         if self._api is None:
             self._api = await self._new_api_client()
         self._batch = k8s_client.BatchV1Api(self._api)
+        self._core = k8s_client.CoreV1Api(self._api)
         self._watch_task = asyncio.create_task(self._follow(), name="rollover-k8s-watch")
 
     async def stop(self) -> None:
@@ -233,33 +243,74 @@ class K8sRunner:
         try:
             await self._bucket.acquire()
             execution.created_at = time.monotonic()
-            await self._create(job)
+            secret = key_secret(name, self.config.namespace, spec.env["AGL_KEY"], job["metadata"]["labels"])
+            await self._create_secret(secret)
+            created = await self._create(job)
+            await self._own_secret(name, created)
         except asyncio.CancelledError:
             self._jobs.pop(name, None)
             self._in_background(self.delete_job(name))  # the create may have gone through
             raise
         except ApiException as exc:
             self._jobs.pop(name, None)
-            if exc.status == 409:
-                self._in_background(self.delete_job(name))
+            # A Job that exists already is an earlier try's: it goes. The Secret goes either way.
+            self._in_background(self.delete_job(name) if exc.status == 409 else self._delete_secret(name))
             permanent = 400 <= (exc.status or 0) < 500 and exc.status not in (409, 429)
             raise LaunchError(f"cannot create Job {name}: {_api_reason(exc)}", permanent=permanent) from None
         except Exception as exc:
             self._jobs.pop(name, None)
+            self._in_background(self._delete_secret(name))
             raise LaunchError(f"cannot create Job {name}: {exc!r}") from None
         log.debug("created Job %s for rollout %s attempt %s", name, rollout.rollout_id, spec.attempt_id)
         return execution
 
-    async def _create(self, job: dict[str, Any]) -> None:
-        await call_with_retries(
+    async def _create(self, job: dict[str, Any]) -> Any:
+        return await call_with_retries(
             "creating a Job",
             lambda: self._batch.create_namespaced_job(self.config.namespace, job),
             RetryPolicy(_transient_api, attempts=3),
             log,
         )
 
+    async def _create_secret(self, secret: dict[str, Any]) -> None:
+        try:
+            await call_with_retries(
+                "creating a Job's key Secret",
+                lambda: self._core.create_namespaced_secret(self.config.namespace, secret),
+                RetryPolicy(_transient_api, attempts=3),
+                log,
+            )
+        except ApiException as exc:
+            if exc.status != 409:  # left by an earlier try of the same attempt: replace it
+                raise
+            await self._core.replace_namespaced_secret(secret["metadata"]["name"], self.config.namespace, secret)
+
+    async def _own_secret(self, job_name: str, job: Any) -> None:
+        """The Job owns its Secret: Kubernetes deletes the Secret with the Job (its TTL too)."""
+        uid = getattr(getattr(job, "metadata", None), "uid", None)
+        if not uid:
+            return  # deleted with the Job by `delete_job` all the same
+        owner = {"apiVersion": "batch/v1", "kind": "Job", "name": job_name, "uid": uid}
+        try:
+            await self._core.patch_namespaced_secret(
+                key_secret_name(job_name), self.config.namespace, {"metadata": {"ownerReferences": [owner]}}
+            )
+        except ApiException as exc:
+            log.warning("cannot make Job %s own its key Secret: %s", job_name, _api_reason(exc))
+
+    async def _delete_secret(self, job_name: str) -> None:
+        try:
+            await self._core.delete_namespaced_secret(key_secret_name(job_name), self.config.namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                log.warning("cannot delete the key Secret of Job %s: %s", job_name, _api_reason(exc))
+        except Exception as exc:
+            log.warning("cannot delete the key Secret of Job %s: %r", job_name, exc)
+
     async def delete_job(self, name: str) -> None:
-        """Delete a Job and its pod; one that is gone already is fine, a failure is logged."""
+        """Delete a Job, its pod and its key Secret; one that is gone already is fine, a
+        failure is logged."""
+        await self._delete_secret(name)
         try:
             await call_with_retries(
                 f"deleting Job {name}",

@@ -70,7 +70,7 @@ class JobEmulator(kmock.KubernetesEmulator):
     async def __call__(self, raw_request: Any) -> Any:
         if raw_request.query.get("watch") == "True":
             raw_request = raw_request.clone(rel_url=raw_request.rel_url.update_query(watch="true"))
-        if raw_request.method == "POST":
+        if raw_request.method == "POST" and raw_request.path.endswith("/jobs"):
             self.create_times.append(time.monotonic())
         return await super().__call__(raw_request)
 
@@ -81,9 +81,17 @@ class Cluster:
         self.url = url
         self.kubeconfig = kubeconfig
         self.batch = k8s_client.BatchV1Api(api)
+        self.core = k8s_client.CoreV1Api(api)
 
     async def job(self, name: str) -> dict[str, Any] | None:
         response = await self.batch.read_namespaced_job(name, NAMESPACE, _preload_content=False)
+        try:
+            return None if response.status == 404 else await response.json()
+        finally:
+            response.release()
+
+    async def secret(self, name: str) -> dict[str, Any] | None:
+        response = await self.core.read_namespaced_secret(name, NAMESPACE, _preload_content=False)
         try:
             return None if response.status == 404 else await response.json()
         finally:
@@ -115,6 +123,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
     emulator.create_times = []
     async with emulator, kmock.Server(emulator) as server:
         emulator.resources["batch/v1/jobs"] = kmock.ResourceInfo(kind="Job", namespaced=True)
+        emulator.resources["v1/secrets"] = kmock.ResourceInfo(kind="Secret", namespaced=True)
         url = str(server.url).rstrip("/")
         kubeconfig = tmp_path / "kubeconfig"
         kubeconfig.write_text(
@@ -210,6 +219,12 @@ async def test_job_manifest_is_the_template_plus_forced_fields(
             {"name": "AGL_ROLLOUT_INPUT", "value": json.dumps({"question": question})},
         ]
         init_env = [{"name": k, "value": v} for k, v in standard.items()] + env[2 + len(standard) - 1 :]
+        # The attempt key is read from the Job's own Secret, never written in the Job.
+        from_secret = {"secretKeyRef": {"name": f"{name}-key", "key": "AGL_KEY"}}
+        env, init_env = (
+            [{"name": e["name"], "valueFrom": from_secret} if e.get("value") == key else e for e in entries]
+            for entries in (env, init_env)
+        )
         expected = {
             "apiVersion": "batch/v1",
             "kind": "Job",
@@ -222,6 +237,7 @@ async def test_job_manifest_is_the_template_plus_forced_fields(
                     "metadata": {"annotations": {"question": question}, "labels": labels},
                     "spec": {
                         "restartPolicy": "Never",
+                        "automountServiceAccountToken": False,
                         "initContainers": [{"name": "init", "image": "busybox", "env": init_env}],
                         "containers": [
                             {
@@ -236,6 +252,10 @@ async def test_job_manifest_is_the_template_plus_forced_fields(
             },
         }
         assert job == expected
+        assert key not in json.dumps(job)
+        secret = await cluster.secret(f"{name}-key")
+        assert secret is not None and secret["stringData"] == {"AGL_KEY": key}
+        assert secret["metadata"]["labels"] == {"team": "rl", **labels}
 
         await cluster.set_condition(name, "Complete")
         done = await wait_for_rollout(client, rollout_id)
@@ -268,10 +288,12 @@ async def test_abort_deletes_the_job_promptly(client: GatewayClient, cluster: Cl
         rollout_id = await enqueue(client, "abort")
         name = f"{rollout_id}-a1"
         await cluster.wait_job(name)
+        assert await cluster.secret(f"{name}-key") is not None
         await client.update_status(rollout_id, state=RolloutState.FAILED, error_message="aborted: test")
         # Promptly: within a few ticks, not at the Job's deadline (30 min).
         await cluster.wait_deleted(name, timeout=10.0)
         await wait_until(lambda: rollout_id not in running.running)  # the controller is done with it
+        assert await cluster.secret(f"{name}-key") is None  # the attempt key went with its Job
         rollout = await client.get_rollout(rollout_id)
     assert rollout.state == RolloutState.FAILED and rollout.status.error_message == "aborted: test"
 
@@ -362,7 +384,7 @@ async def test_the_k8s_runner_has_its_own_concurrency_and_env_map(
             name = rollout.status.k8s_job_name
             assert name is not None
             job = await cluster.wait_job(name)
-            env = {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+            env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
             assert env[injected] == f"q-{rollout.rollout_id}" and absent not in env
             await cluster.set_condition(name, "Complete")
             assert (await wait_for_rollout(client, rollout.rollout_id)).state == RolloutState.SUCCEEDED

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import kmock
 import pytest
 import yaml
 
@@ -71,8 +72,19 @@ def container_of(job: dict[str, Any]) -> dict[str, Any]:
     return next(c for c in containers if c["name"] == "agent")
 
 
-def env_of(container: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env") or []}
+async def env_of(cluster: Cluster, container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as the kubelet would give it: a `secretKeyRef` read from
+    its Secret (the attempt key never sits in the Job itself)."""
+    env = {}
+    for entry in container.get("env") or []:
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+            continue
+        ref = entry["valueFrom"]["secretKeyRef"]
+        secret = await cluster.secret(ref["name"])
+        assert secret is not None, f"the Secret {ref['name']} of {entry['name']} does not exist"
+        env[entry["name"]] = secret["stringData"][ref["key"]]
+    return env
 
 
 async def enqueue(client: GatewayClient, example: Example, prefix: str) -> tuple[str, dict[str, Any]]:
@@ -120,16 +132,18 @@ async def test_example_agent_runs_as_a_job(example: Example, client: GatewayClie
         assert job["spec"]["ttlSecondsAfterFinished"] == 120
         assert job["spec"]["activeDeadlineSeconds"] == math.ceil(TIMEOUT_SECONDS)
         assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+        assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+        assert client.scoped_key(done_id, "a1") not in json.dumps(job)  # the key is in the Job's Secret
         assert job["metadata"]["annotations"]["rollover.dev/task-id"] == task["id"]
         # the injected agent env, pointing pods at the gateway's public address
-        env = env_of(container)
+        env = await env_of(cluster, container)
         assert env["AGL_OPENAI_BASE_URL"] == f"{POD_GATEWAY}/proxy/rollout/{done_id}/attempt/a1/mode/train/openai/v1"
         assert env["AGL_EVENT_URL"] == f"{POD_GATEWAY}/api/rollouts/{done_id}/attempt/a1/events"
         assert env["AGL_KEY"] == client.scoped_key(done_id, "a1")
         assert env["AGL_ROLLOUT_ID"] == done_id and env["AGL_ATTEMPT_ID"] == "a1"
         assert json.loads(env["AGL_ROLLOUT_INPUT"]) == task
         for other in job["spec"]["template"]["spec"].get("initContainers") or []:
-            assert env_of(other)["AGL_KEY"] == env["AGL_KEY"]
+            assert (await env_of(cluster, other))["AGL_KEY"] == env["AGL_KEY"]
 
         await cluster.set_condition(name, "Complete")
         await cluster.set_condition(
@@ -156,7 +170,7 @@ async def test_the_calc_job_container_runs_as_a_pod_would(
             command = list(container["command"])
             assert command[0] == "python"
             command[0] = sys.executable  # the image's python: this environment's
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env_of(container)}
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **(await env_of(cluster, container))}
             assert container["workingDir"] == "/app"  # the image's copy of the repository: this one
             process = await asyncio.create_subprocess_exec(
                 *command, cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
@@ -175,3 +189,41 @@ async def test_the_calc_job_container_runs_as_a_pod_would(
         assert done.state == RolloutState.SUCCEEDED, done.status
     finally:
         await client.clear_models()
+
+
+async def test_the_shipped_network_policy_confines_every_agent_pod_to_the_gateway(
+    client: GatewayClient, cluster: Cluster
+) -> None:
+    """The example NetworkPolicy selects the pods the controller starts, lets nothing in, and
+    lets out only the gateway's port and DNS; the API server takes it."""
+    from kubernetes_asyncio import client as k8s_client
+
+    policy = yaml.safe_load((ROOT / "examples" / "k8s" / "networkpolicy.yaml").read_text())
+    cluster.emulator.resources["networking.k8s.io/v1/networkpolicies"] = kmock.ResourceInfo(
+        kind="NetworkPolicy", namespaced=True
+    )
+    networking = k8s_client.NetworkingV1Api(cluster.batch.api_client)
+    await networking.create_namespaced_network_policy(NAMESPACE, policy)
+    response = await networking.read_namespaced_network_policy(
+        policy["metadata"]["name"], NAMESPACE, _preload_content=False
+    )
+    stored = await response.json()
+    response.release()
+    spec = stored["spec"]
+    assert set(spec["policyTypes"]) == {"Ingress", "Egress"} and spec["ingress"] == []
+    # Every agent pod the controller starts carries the labels the policy selects.
+    config = k8s_config(cluster, CALC.template, rollout_timeout_seconds=TIMEOUT_SECONDS)
+    async with Controller(config, client, poll_interval=0.1):
+        rollout_id, _ = await enqueue(client, CALC, "policy")
+        job = await cluster.wait_job(f"{rollout_id}-a1")
+        await cluster.set_condition(f"{rollout_id}-a1", "Complete")
+        await wait_for_rollout(client, rollout_id)
+    pod_labels = job["spec"]["template"]["metadata"]["labels"]
+    assert spec["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    # Out: the gateway's one TCP port, and DNS; nothing else.
+    ports = [(p["protocol"], p["port"]) for rule in spec["egress"] for p in rule["ports"]]
+    assert sorted(ports) == [("TCP", 53), ("TCP", 8080), ("UDP", 53)]
+    gateway_rule, dns_rule = spec["egress"]
+    assert gateway_rule["to"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "rollover-gateway"}}}]
+    assert dns_rule["to"][0]["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}}
+    assert all("ipBlock" not in peer for rule in spec["egress"] for peer in rule["to"])
