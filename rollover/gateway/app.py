@@ -85,6 +85,14 @@ _EVENT_LIST = TypeAdapter(list[Event])
 _JSON_LIST = TypeAdapter(list[dict[str, Any]])
 
 
+def without_engine_address(event: Event) -> Event:
+    """An event as an agent may read it: a recorded call names no engine (engines are for the
+    trainer and the gateway only; the admin key reads the whole record)."""
+    if event.event_type != "model_request" or not isinstance(event.data, dict) or "upstream" not in event.data:
+        return event
+    return event.model_copy(update={"data": {k: v for k, v in event.data.items() if k != "upstream"}})
+
+
 def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: bool = False) -> FastAPI:
     """The gateway over `store`, configured by `settings` (its `gateway.admin_key` must be set)."""
     state = GatewayState(store=store, settings=settings)
@@ -206,6 +214,8 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         if format == "samples":  # Rollover's view: per call token ids, logprobs, version; the reward
             return json_response((await store.triplets(rollout_id, attempt_id)).model_dump_json())
         events = await store.list_events(rollout_id, event_type=event_type or None, attempt_id=attempt_id)
+        if not auth.is_admin(request):
+            events = [without_engine_address(e) for e in events]
         if format == "triplet":  # Agent Lightning's: model requests (trimmed) and rewards
             relevant = [e for e in events if e.event_type in ("model_request", "reward")]
             rewards = call_rewards(relevant)

@@ -33,6 +33,11 @@ def _state(request: Request) -> GatewayState:
     return state
 
 
+def is_admin(request: Request) -> bool:
+    """Whether the request carries the admin key (not an agent's)."""
+    return keys.is_admin(_state(request).admin_key, presented_key(request))
+
+
 def require_admin(request: Request) -> None:
     key = presented_key(request)
     if not keys.is_admin(_state(request).admin_key, key):

@@ -29,12 +29,15 @@ RETRY_BACKOFF_SECONDS = 0.5  # first pause between upstream retries; doubles eac
 
 
 class _RetryableUpstream(Exception):
-    """A failed engine call worth trying again: its status for the agent, and why."""
+    """A failed engine call worth trying again: its status and reason for the agent, and for
+    the gateway's log the `detail` (which engine, what failed). An agent is never told an
+    engine's address: engines are for the trainer and the gateway only."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, detail: str = "") -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.detail = detail or reason
 
 
 class _Unreachable(_RetryableUpstream):
@@ -173,11 +176,15 @@ class Forwarder:
         try:
             response = await self._pool.post(url, payload)
         except UpstreamTimeout as exc:
-            raise _RetryableUpstream(504, f"upstream timed out: {exc}") from None
+            raise _RetryableUpstream(504, "upstream timed out", f"{url}: {exc}") from None
         except ConnectFailed as exc:
-            raise _Unreachable(503, f"upstream unreachable at {url}: {exc}") from None
+            raise _Unreachable(
+                503, "upstream unreachable (the engine is down or restarting)", f"{url}: {exc}"
+            ) from None
         except UpstreamIOError as exc:
-            raise _RetryableUpstream(503, f"upstream unreachable at {url}: {exc}") from None
+            raise _RetryableUpstream(
+                503, "upstream unreachable (the connection to the engine broke)", f"{url}: {exc}"
+            ) from None
         if response.status >= 500:
             try:
                 text = (await response.read())[:500].decode(errors="replace")
@@ -217,7 +224,7 @@ class Forwarder:
             except _Unreachable as exc:
                 last = exc
                 if self.registry.take_out(target):
-                    log.warning("%s: taken out of rotation until it registers again", exc.reason)
+                    log.warning("%s: taken out of rotation until it registers again", exc.detail)
                     if self.save_registry is not None:
                         await self.save_registry()
                 elif self.registry.pick(call.rollout_id) is target:
@@ -233,6 +240,7 @@ class Forwarder:
             return await self._post_live(call)
         except _RetryableUpstream as first:
             if attempts == 1:
+                log.warning("engine call for rollout %s failed: %s", call.rollout_id, first.detail)
                 raise UpstreamError(first.status, f"{first.reason} (after 1 attempt)") from None
         await asyncio.sleep(RETRY_BACKOFF_SECONDS)
         policy = RetryPolicy(
@@ -249,6 +257,7 @@ class Forwarder:
                 log,
             )
         except _RetryableUpstream as exc:
+            log.warning("engine call for rollout %s failed %d times: %s", call.rollout_id, attempts, exc.detail)
             raise UpstreamError(exc.status, f"{exc.reason} (after {attempts} attempts)") from None
 
     @asynccontextmanager
