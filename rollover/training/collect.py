@@ -11,7 +11,7 @@ from typing import Any
 
 from rollover.store.models import RolloutState
 from rollover.training.manager import TrackedRollout
-from rollover.training.samples import RolloutScore, Sample, UpdateBatch, build_samples
+from rollover.training.samples import RolloutScore, Sample, UpdateBatch, build_samples, spans_cover_response
 from rollover.training.settings import SampleBudget
 
 
@@ -34,7 +34,7 @@ async def collect_samples(
     rewards: list[float] = []
     rollouts: list[RolloutScore] = []
     all_samples: list[Sample] = []
-    n_failed = n_missing_reward = n_timeout = n_overlong = 0
+    n_failed = n_missing_reward = n_timeout = n_overlong = n_malformed = 0
     flat = [r for g in groups for r in g]
     bundles = await asyncio.gather(*(bundle_of(r.rollout_id) for r in flat))
     for rollout, bundle in zip(flat, bundles):
@@ -45,6 +45,9 @@ async def collect_samples(
             n_missing_reward += 1
         reward = rollout_reward(rollout, bundle.reward, fill)
         triplets = [t.model_dump() for t in bundle.triplets]
+        kept = [t for t in triplets if spans_cover_response(t)]
+        n_malformed += len(triplets) - len(kept)  # its tokens are not trained: they may not be μ's
+        triplets = kept
         samples = (
             build_samples(
                 rollout.rollout_id,
@@ -76,6 +79,7 @@ async def collect_samples(
         "rollouts/n_samples": len(all_samples),
         "rollouts/n_response_tokens": sum(s.num_loss_tokens for s in all_samples),
         "training/n_overlong_samples": n_overlong,
+        "training/n_malformed_calls": n_malformed,
         "policy/version": policy_version,
         "policy/version_lag_mean": statistics.fmean(lags) if lags else 0.0,
         "policy/version_lag_max": max(lags) if lags else 0.0,

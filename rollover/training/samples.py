@@ -195,6 +195,18 @@ def token_versions(spans: Sequence[Sequence[int]] | None, version: int, length: 
     return [int(version) for (_, version), start, end in zip(spans, starts, ends) for _ in range(end - start)]
 
 
+def spans_cover_response(triplet: Mapping[str, Any]) -> bool:
+    """Whether a recorded call's version spans cover its response tokens in order (a call
+    whose spans do not is dropped, and counted, rather than stopping the update)."""
+    try:
+        token_versions(
+            triplet.get("response_version_spans"), int(triplet["policy_version"]), len(triplet["response_token_ids"])
+        )
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def _cut(n: int, max_length: int, cut: Cut) -> slice:
     return slice(0, max_length) if cut == "right" else slice(n - max_length, n)
 

@@ -264,3 +264,38 @@ def test_a_compaction_or_a_branch_starts_a_new_sample() -> None:
     assert [s.input_ids for s in samples] == [[1, 2, 10, 3, 11], [9, 8, 12], [1, 2, 10, 4, 13]]
     # The branch's shared prefix is context again, not trained again.
     assert samples[2].loss_mask == [0, 0, 0, 0, 1]
+
+
+def test_a_call_with_malformed_version_spans_is_dropped_and_counted_not_raised() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from rollover.config import load_config
+    from rollover.store.models import RolloutState
+    from rollover.training.manager import TrackedRollout
+    from rollover.training.collect import collect_samples
+    from rollover.training.samples import spans_cover_response
+    from rollover.training.settings import SampleBudget
+
+    good = _call([1, 2], [10, 11, 12], [-0.1, -0.2, -0.3], 1)
+    spanned = {**good, "response_version_spans": [[0, 1], [2, 2]]}
+    backwards = {**good, "response_version_spans": [[0, 1], [2, 2], [1, 3]]}
+    past_the_end = {**good, "response_version_spans": [[0, 1], [9, 2]]}
+    assert spans_cover_response(good) and spans_cover_response(spanned)
+    assert not spans_cover_response(backwards) and not spans_cover_response(past_the_end)
+    calls = {"ok": [spanned], "bad": [backwards, _call([1, 2, 10, 11, 12, 4], [13], [-0.4], 1)]}
+
+    class Client:
+        async def triplets(self, rollout_id: str) -> Any:
+            return SimpleNamespace(
+                reward=1.0, triplets=[SimpleNamespace(model_dump=lambda c=c: c) for c in calls[rollout_id]]
+            )
+
+    trainer = Trainer(
+        config=load_config(None, []), client=Client(), policy=None, weight_sync=None, train_tasks=[{"id": 1}]
+    )  # type: ignore[arg-type]
+    group = [TrackedRollout(rid, "g", {}, 0, state=RolloutState.SUCCEEDED) for rid in calls]
+    batch, metrics = asyncio.run(trainer._collect_samples([group]))
+    assert metrics["training/n_malformed_calls"] == 1
+    trained = {s.rollout_id: [t for t, m in zip(s.input_ids, s.loss_mask) if m] for s in batch.samples}
+    assert trained == {"ok": [10, 11, 12], "bad": [13]}  # the malformed call's tokens are not trained
