@@ -3,7 +3,8 @@
 Turn 1 asks for reasoning that ends with `#### NUMBER`. If the reply has no final answer,
 turn 2 asks for the final line only. The reward is 1.0 when the final answer is right.
 
-ROLLOVER_GSM_MAX_TOKENS caps each reply (default 256).
+ROLLOVER_GSM_MAX_TOKENS caps each reply (default 256); agents see it when the config sets it
+(agentlightning.local.env.ROLLOVER_GSM_MAX_TOKENS).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Reward: the original test files are put back, the tests run in the sandbox, and 
 1.0 when all pass, else 0.0. With ROLLOVER_SMITH_PARTIAL_CREDIT=1 a repo that still fails
 earns 0.5 x the fraction of the originally failing tests that now pass (never 1.0).
 
-Environment knobs: ROLLOVER_SMITH_MAX_STEPS (default 8 policy calls), ROLLOVER_SMITH_MAX_TOKENS
+Environment knobs (set them with agentlightning.local.env): ROLLOVER_SMITH_MAX_STEPS (default 8 policy calls), ROLLOVER_SMITH_MAX_TOKENS
 (default 384 tokens per reply), ROLLOVER_SMITH_PARTIAL_CREDIT (default off).
 """
 

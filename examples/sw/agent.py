@@ -9,7 +9,7 @@ a call (HTTP 400, e.g. a prompt too long). Reward: final score / 100. The simula
 the run's pooled JVMs, leased for the episode (`jvm_pool`), or a JVM of the agent's own when
 the run has no pool; either way it is released, also when the agent fails.
 
-Settings (environment, read when the agent starts):
+Settings (environment, read when the agent starts; set them with agentlightning.local.env):
   ROLLOVER_SW_MAX_STEPS     actions per episode (default 8)
   ROLLOVER_SW_MAX_TOKENS    max tokens per reply (default 48)
   ROLLOVER_SW_OBS_CHARS     characters kept of each observation (default 1000)
