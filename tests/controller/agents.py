@@ -116,3 +116,11 @@ class ThreadedAgent:
             post_event("reward", {"value": 0.25})
 
         threading.Thread(target=late).start()
+
+
+class MarkedSleepAgent:
+    """Starts a tool whose command line carries `input.marker`, then sleeps until stopped."""
+
+    def run(self, input: dict[str, Any]) -> None:
+        subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(300)", input["marker"]])
+        time.sleep(300)
