@@ -83,19 +83,19 @@ class Cluster:
         self.batch = k8s_client.BatchV1Api(api)
         self.core = k8s_client.CoreV1Api(api)
 
-    async def job(self, name: str) -> dict[str, Any] | None:
-        response = await self.batch.read_namespaced_job(name, NAMESPACE, _preload_content=False)
+    @staticmethod
+    async def _read(read: Any, name: str) -> dict[str, Any] | None:
+        response = await read(name, NAMESPACE, _preload_content=False)
         try:
             return None if response.status == 404 else await response.json()
         finally:
             response.release()
 
+    async def job(self, name: str) -> dict[str, Any] | None:
+        return await self._read(self.batch.read_namespaced_job, name)
+
     async def secret(self, name: str) -> dict[str, Any] | None:
-        response = await self.core.read_namespaced_secret(name, NAMESPACE, _preload_content=False)
-        try:
-            return None if response.status == 404 else await response.json()
-        finally:
-            response.release()
+        return await self._read(self.core.read_namespaced_secret, name)
 
     async def wait_job(self, name: str, timeout: float = 10.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout

@@ -49,18 +49,7 @@ EVERY_ATTACK = {
     "viewer",
     "forbidden_sampling",
 }
-THROUGH_WITHOUT_SANDBOX = {
-    "read_store",
-    "write_store",
-    "read_weights",
-    "write_weights",
-    "read_checkpoints",
-    "read_victim_log",
-    "read_other_environments",
-    "fork_server_pipes",
-    "tcp_store",
-    "engines",
-}
+THROUGH_WITHOUT_SANDBOX = EVERY_ATTACK - {"viewer", "forbidden_sampling"}
 
 
 @dataclass
