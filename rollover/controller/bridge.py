@@ -6,7 +6,8 @@ the sandbox; outside, the controller's `GatewayRelay` serves that socket and car
 connection on to the gateway's TCP address. Bytes pass unchanged both ways (HTTP, streaming,
 keep-alive), so agents use the gateway's usual URLs and keys; nothing else is reachable.
 
-`python -m rollover.controller.bridge --listen-fd N --socket PATH` is the inside half.
+`python -m rollover.controller.bridge --listen-fd N --unix PATH` is the inside half,
+`--listen-fd N --tcp HOST:PORT` the outside one.
 """
 
 from __future__ import annotations
@@ -14,10 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
+import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+
+from rollover.processes import exit_if_orphaned
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 CHUNK = 1 << 16
@@ -54,27 +60,55 @@ async def relay(
 
 
 class GatewayRelay:
-    """The outside half: a Unix socket in a private folder whose every connection goes on to
-    the gateway at `host:port`."""
+    """The outside half, a process of its own (the trainer's event loop and GIL stay out of
+    every agent call): a Unix socket in a private folder whose every connection goes on to the
+    gateway at `host:port`. The socket listens before the process starts, so no connection
+    is refused while it comes up; the process dies with the controller."""
 
-    def __init__(self, host: str, port: int, socket_path: Path) -> None:
+    def __init__(self, host: str, port: int, socket_path: Path, log_path: Path) -> None:
         self.host = host
         self.port = port
         self.socket_path = socket_path
-        self._server: asyncio.AbstractServer | None = None
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await relay(reader, writer, lambda: asyncio.open_connection(self.host, self.port))
+        self.log_path = log_path
+        self._process: subprocess.Popen[bytes] | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_unix_server(self._handle, path=str(self.socket_path))
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(str(self.socket_path))
+            listener.listen(1024)
+            with open(self.log_path, "ab") as log:
+                self._process = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "rollover.controller.bridge",
+                        "--listen-fd",
+                        str(listener.fileno()),
+                        "--tcp",
+                        f"{self.host}:{self.port}",
+                        "--parent-pid",
+                        str(os.getpid()),
+                    ],
+                    pass_fds=(listener.fileno(),),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,
+                )
+        finally:
+            listener.close()
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5)
-            self._server = None
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(process.wait), 5)
+        except asyncio.TimeoutError:
+            process.kill()
+            await asyncio.to_thread(process.wait)
 
 
 def listen_loopback(port: int) -> socket.socket:
@@ -87,24 +121,43 @@ def listen_loopback(port: int) -> socket.socket:
     return sock
 
 
-async def _serve(listen_fd: int, socket_path: str) -> None:
+async def _serve(listen_fd: int, open_peer: Callable[[], Awaitable[Streams]]) -> None:
     sock = socket.socket(fileno=listen_fd)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await relay(reader, writer, lambda: asyncio.open_unix_connection(socket_path))
+        await relay(reader, writer, open_peer)
 
-    server = await asyncio.start_server(handle, sock=sock)
+    server = await asyncio.start_server(handle, sock=sock) if sock.family != socket.AF_UNIX else None
+    if server is None:
+        server = await asyncio.start_unix_server(handle, sock=sock)
     async with server:
         await server.serve_forever()
 
 
+def _exit_on_term(signum: int, _frame: object) -> None:
+    raise SystemExit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rollover.controller.bridge")
-    parser.add_argument("--listen-fd", type=int, required=True, help="a listening TCP socket")
-    parser.add_argument("--socket", required=True, help="the Unix socket that leads to the gateway")
+    parser.add_argument("--listen-fd", type=int, required=True, help="a listening socket (TCP or Unix)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--unix", help="carry each connection to this Unix socket (inside the sandbox)")
+    where.add_argument("--tcp", help="carry each connection to this HOST:PORT (outside: the gateway)")
+    parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies (0: do not watch)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_term)
+    if args.parent_pid:
+        exit_if_orphaned(args.parent_pid, signal.SIGTERM)
+    open_peer: Callable[[], Awaitable[Streams]]
+    if args.unix:
+        path = args.unix
+        open_peer = lambda: asyncio.open_unix_connection(path)  # noqa: E731
+    else:
+        host, _, port = args.tcp.rpartition(":")
+        open_peer = lambda: asyncio.open_connection(host, int(port))  # noqa: E731
     try:
-        asyncio.run(_serve(args.listen_fd, args.socket))
+        asyncio.run(_serve(args.listen_fd, open_peer))
     except KeyboardInterrupt:
         pass
     return 0

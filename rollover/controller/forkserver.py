@@ -506,7 +506,7 @@ def _start_bridge(port: int, socket_path: str) -> None:
             "rollover.controller.bridge",
             "--listen-fd",
             str(listener.fileno()),
-            "--socket",
+            "--unix",
             socket_path,
         ],
         pass_fds=(listener.fileno(),),

@@ -154,7 +154,9 @@ class LocalRunner:
         parts = urlsplit(gateway_url)
         port = parts.port or 80
         self._socket_dir = tempfile.mkdtemp(prefix="rollover-gateway-")  # 0700: the controller's only
-        self._relay = GatewayRelay(parts.hostname or "127.0.0.1", port, Path(self._socket_dir) / SOCKET_NAME)
+        self._relay = GatewayRelay(
+            parts.hostname or "127.0.0.1", port, Path(self._socket_dir) / SOCKET_NAME, self.log_dir / "bridge.log"
+        )
         # Inside, the gateway is 127.0.0.1:<its port>, whatever address it has outside.
         self.agent_gateway_url = f"http://127.0.0.1:{port}"
         layout = SandboxLayout.build(self.cwd, hidden, Path(self._socket_dir))
