@@ -458,8 +458,9 @@ def test_k8s_job_template_renders(tasks):
     )
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["python", "-m", "rollover.controller.agent_main", "examples.smith.agent:SmithAgent"]
-    env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["SMITH_TASK_ID"] == tasks[0]["id"] and env["AGL_KEY"] == "k"
+    env = {e["name"]: e.get("value") or e["valueFrom"]["secretKeyRef"] for e in container["env"]}
+    # The attempt key comes from the Job's own Secret.
+    assert env["SMITH_TASK_ID"] == tasks[0]["id"] and env["AGL_KEY"] == {"name": "smith-r1-a1-key", "key": "AGL_KEY"}
     assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
 
 
