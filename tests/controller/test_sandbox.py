@@ -98,3 +98,54 @@ async def test_a_kernel_that_refuses_the_namespaces_stops_the_controller_in_one_
     message = str(refused.value)
     assert "\n" not in message and "No permissions to create new namespace" in message
     assert "agentlightning.local.sandbox=false" in message
+
+
+def test_kill_9_of_the_controller_takes_the_sandbox_and_its_agents_down(gateway: GatewayThread) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.conftest import ADMIN_KEY
+
+    marker = f"orphaned-sleeper-{time.monotonic_ns()}"
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    httpx.post(
+        f"{gateway.url}/api/rollouts",
+        json=[{"rollout_id": new_id("orphan"), "input": {"marker": marker}}],
+        headers=headers,
+    ).raise_for_status()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rollover.cli.main",
+            "controller",
+            "--gateway",
+            gateway.url,
+            "--runner",
+            "local",
+            f"agentlightning.local.agent_class={AGENTS}:MarkedSleepAgent",
+        ],
+        env={**os.environ, "ROLLOVER_ADMIN_KEY": ADMIN_KEY},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not processes_with(marker):
+            assert process.poll() is None and time.monotonic() < deadline, "the agent never started"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        deadline = time.monotonic() + 15
+        # The agents (and their tools) and the relay the controller started (which names it).
+        while processes_with(marker) or processes_with(f"--parent-pid\0{process.pid}\0"):
+            assert time.monotonic() < deadline, "the sandbox outlived its controller"
+            time.sleep(0.05)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
