@@ -272,8 +272,8 @@ def test_a_call_with_malformed_version_spans_is_dropped_and_counted_not_raised()
 
     from rollover.config import load_config
     from rollover.store.models import RolloutState
-    from rollover.training.manager import TrackedRollout
     from rollover.training.collect import collect_samples
+    from rollover.training.manager import TrackedRollout
     from rollover.training.samples import spans_cover_response
     from rollover.training.settings import SampleBudget
 
@@ -291,11 +291,9 @@ def test_a_call_with_malformed_version_spans_is_dropped_and_counted_not_raised()
                 reward=1.0, triplets=[SimpleNamespace(model_dump=lambda c=c: c) for c in calls[rollout_id]]
             )
 
-    trainer = Trainer(
-        config=load_config(None, []), client=Client(), policy=None, weight_sync=None, train_tasks=[{"id": 1}]
-    )  # type: ignore[arg-type]
+    budget = SampleBudget.from_config(load_config(None, []))
     group = [TrackedRollout(rid, "g", {}, 0, state=RolloutState.SUCCEEDED) for rid in calls]
-    batch, metrics = asyncio.run(trainer._collect_samples([group]))
+    batch, metrics = asyncio.run(collect_samples([group], Client().triplets, budget, fill=0.0, policy_version=1))
     assert metrics["training/n_malformed_calls"] == 1
     trained = {s.rollout_id: [t for t, m in zip(s.input_ids, s.loss_mask) if m] for s in batch.samples}
     assert trained == {"ok": [10, 11, 12], "bad": [13]}  # the malformed call's tokens are not trained
