@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -48,6 +49,24 @@ class HandClock:
             self._held_at += seconds
         else:
             self._offset += seconds
+
+
+def cli_controller(gateway_url: str, agent_class: str, *overrides: str) -> list[str]:
+    """The command line of `rollover controller` with the local runner and `agent_class`."""
+    return [
+        sys.executable,
+        "-m",
+        "rollover.cli.main",
+        "controller",
+        "--gateway",
+        gateway_url,
+        "--key",
+        ADMIN_KEY,
+        "--runner",
+        "local",
+        f"agentlightning.local.agent_class={agent_class}",
+        *overrides,
+    ]
 
 
 def make_config(**agentlightning: Any) -> AgentLightningConfig:

@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from rollover.store.models import RolloutCreate, RolloutState
 from tests.conftest import ADMIN_KEY
 from tests.controller.conftest import (
     alive,
+    cli_controller,
     make_config,
     new_id,
     read_pids,
@@ -88,20 +88,7 @@ def test_kill_9_of_the_controller_takes_the_fork_server_and_agents_down(gateway:
         headers=headers,
     ).raise_for_status()
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rollover.cli.main",
-            "controller",
-            "--gateway",
-            gateway.url,
-            "--key",
-            ADMIN_KEY,
-            "--runner",
-            "local",
-            f"agentlightning.local.agent_class={AGENTS}:SleepAgent",
-            "agentlightning.local.sandbox=false",
-        ],
+        cli_controller(gateway.url, f"{AGENTS}:SleepAgent", "agentlightning.local.sandbox=false"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

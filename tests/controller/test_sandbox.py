@@ -14,7 +14,7 @@ from rollover.controller import Controller, ControllerConfigError
 from rollover.gateway.client import GatewayClient
 from rollover.gateway.server import GatewayThread
 from rollover.store.models import RolloutCreate, RolloutState
-from tests.controller.conftest import make_config, new_id, wait_for_rollout, wait_until
+from tests.controller.conftest import cli_controller, make_config, new_id, wait_for_rollout, wait_until
 
 AGENTS = "tests.controller.agents"
 
@@ -103,7 +103,6 @@ async def test_a_kernel_that_refuses_the_namespaces_stops_the_controller_in_one_
 def test_kill_9_of_the_controller_takes_the_sandbox_and_its_agents_down(gateway: GatewayThread) -> None:
     import signal
     import subprocess
-    import sys
 
     import httpx
 
@@ -117,18 +116,7 @@ def test_kill_9_of_the_controller_takes_the_sandbox_and_its_agents_down(gateway:
         headers=headers,
     ).raise_for_status()
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rollover.cli.main",
-            "controller",
-            "--gateway",
-            gateway.url,
-            "--runner",
-            "local",
-            f"agentlightning.local.agent_class={AGENTS}:MarkedSleepAgent",
-        ],
-        env={**os.environ, "ROLLOVER_ADMIN_KEY": ADMIN_KEY},
+        cli_controller(gateway.url, f"{AGENTS}:MarkedSleepAgent"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
