@@ -122,20 +122,24 @@ def listen_loopback(port: int) -> socket.socket:
 
 
 async def _serve(listen_fd: int, open_peer: Callable[[], Awaitable[Streams]]) -> None:
+    """Relay every connection until SIGTERM, then close the open ones and return."""
     sock = socket.socket(fileno=listen_fd)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await relay(reader, writer, open_peer)
 
-    server = await asyncio.start_server(handle, sock=sock) if sock.family != socket.AF_UNIX else None
-    if server is None:
+    if sock.family == socket.AF_UNIX:
         server = await asyncio.start_unix_server(handle, sock=sock)
+    else:
+        server = await asyncio.start_server(handle, sock=sock)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     async with server:
-        await server.serve_forever()
-
-
-def _exit_on_term(signum: int, _frame: object) -> None:
-    raise SystemExit(0)
+        await stop.wait()
+    others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--tcp", help="carry each connection to this HOST:PORT (outside: the gateway)")
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies (0: do not watch)")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_term)
     if args.parent_pid:
         exit_if_orphaned(args.parent_pid, signal.SIGTERM)
     open_peer: Callable[[], Awaitable[Streams]]
