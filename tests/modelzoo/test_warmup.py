@@ -127,13 +127,18 @@ def test_a_shared_prefix_run_once_gives_the_padded_loss_and_gradient(tiny_model_
     rng = random.Random(3)
     batch = [tokenize_chat(tok, [system, *format_task(rng)[0][1:]]) for _ in range(3)]
     assert len({tuple(ids[:64]) for ids, _ in batch}) == 1
-    padded, padded_count = _padded_loss(model, batch, tok.pad_token_id, "cpu")
-    padded.backward()
-    last_mlp = model.model.layers[-1].mlp.down_proj.weight
-    padded_grad = last_mlp.grad.clone()
-    model.zero_grad()
-    shared, shared_count = _shared_prefix_loss(model, batch, tok.pad_token_id, "cpu")
-    shared.backward()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model on shared cores: one thread is much faster
+    try:
+        padded, padded_count = _padded_loss(model, batch, tok.pad_token_id, "cpu")
+        padded.backward()
+        last_mlp = model.model.layers[-1].mlp.down_proj.weight
+        padded_grad = last_mlp.grad.clone()
+        model.zero_grad()
+        shared, shared_count = _shared_prefix_loss(model, batch, tok.pad_token_id, "cpu")
+        shared.backward()
+    finally:
+        torch.set_num_threads(threads)
     assert int(shared_count) == int(padded_count) > 0
     assert torch.allclose(shared, padded, atol=1e-5)
     assert torch.allclose(last_mlp.grad, padded_grad, atol=1e-5)
