@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from examples.harness.task import NOTES, prompt, write_notes
 
@@ -63,8 +64,7 @@ async def run_agents_sdk(folder: Path, task: dict[str, Any], max_turns: int = 4)
     """The Agents SDK agent on `task` (its notes written in `folder`), with one function tool that
     reads the folder's files, and its default model: the Responses API through
     `OPENAI_BASE_URL`/`OPENAI_API_KEY`. Returns its final output."""
-    from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_client
-    from openai import AsyncOpenAI
+    from agents import Agent, ModelSettings, Runner, function_tool
 
     write_notes(folder, task)
 
@@ -76,9 +76,6 @@ async def run_agents_sdk(folder: Path, task: dict[str, Any], max_turns: int = 4)
         except OSError as exc:
             return f"error: {exc}"
 
-    # The client reads OPENAI_BASE_URL and OPENAI_API_KEY as the SDK's default one does; more
-    # retries than its default 2 ride out a paused gateway (429 with Retry-After) during updates.
-    set_default_openai_client(AsyncOpenAI(max_retries=20), use_for_tracing=False)
     agent = Agent(
         name="reader",
         instructions=INSTRUCTIONS,
@@ -92,13 +89,5 @@ async def run_agents_sdk(folder: Path, task: dict[str, Any], max_turns: int = 4)
 
 def run_agents_sdk_sync(folder: Path, task: dict[str, Any], env: dict[str, str]) -> str:
     """`run_agents_sdk` with the standard variables of `env` (in this process, for the capture)."""
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         return asyncio.run(run_agents_sdk(folder, task))
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

@@ -103,7 +103,8 @@ def harness_model(tmp_path_factory) -> Path:
     """The harness example's model, built once (ROLLOVER_TEST_HARNESS_MODEL names a built one)."""
     if os.environ.get("ROLLOVER_TEST_HARNESS_MODEL"):
         return Path(os.environ["ROLLOVER_TEST_HARNESS_MODEL"])
-    return harness.harness_model(tmp_path_factory.mktemp("harness-model") / harness.MODEL_NAME)
+    # Fewer warm-up steps than the example: what these tests check is the wire, not the policy.
+    return harness.harness_model(tmp_path_factory.mktemp("harness-model") / "tiny-harness-warm40", steps=40)
 
 
 @pytest.fixture(scope="module")
@@ -246,24 +247,29 @@ def _rollout_records(store: Path) -> dict[str, list[dict[str, Any]]]:
         db.close()
 
 
-@pytest.mark.vllm
-def test_the_agents_sdk_agent_runs_as_a_rollout_and_trains(tmp_path, harness_model, harness_engine):
-    write_tasks(tmp_path / "train.jsonl", make_tasks(4, seed=7))
+def _train(config: Path, tmp_path: Path, model: Path, engine: Any, name: str, steps: int) -> list[dict[str, Any]]:
+    """`steps` async updates of one group of 2 rollouts each (window 2 groups), on 8 tasks."""
+    write_tasks(tmp_path / "train.jsonl", make_tasks(8, seed=7))
     train, _ = train_briefly(
-        AGENTS_SDK_CONFIG,
+        config,
         tmp_path,
-        harness_model,
-        "sdk",
-        1,
+        model,
+        name,
+        steps,
         f"data.train_files={tmp_path / 'train.jsonl'}",
         "data.val_files=null",
         "data.train_batch_size=1",
         "actor_rollout_ref.rollout.n=2",
         "agentlightning.async_rollout.async_train_batch_size=2",
         "algorithm.filter_groups.enable=false",
-        engine=harness_engine,
+        engine=engine,
     )
-    [row] = train
+    return train
+
+
+@pytest.mark.vllm
+def test_the_agents_sdk_agent_runs_as_a_rollout_and_trains(tmp_path, harness_model, harness_engine):
+    [row] = _train(AGENTS_SDK_CONFIG, tmp_path, harness_model, harness_engine, "sdk", 1)
     assert row["rollouts/n_failed"] == 0 and row["rollouts/n_missing_reward"] == 0
     records = _rollout_records(tmp_path / "sdk" / "store.db")
     assert records
@@ -276,21 +282,7 @@ def test_the_agents_sdk_agent_runs_as_a_rollout_and_trains(tmp_path, harness_mod
 def test_claude_code_completes_rollouts_and_two_updates_train_on_them(tmp_path, harness_model, harness_engine):
     """Claude Code, run by the controller, against Rollover's engine: its ~12k-token calls are
     recorded with the engine's token ids, and two async updates train on them."""
-    write_tasks(tmp_path / "train.jsonl", make_tasks(8, seed=8))
-    train, _ = train_briefly(
-        CLAUDE_CONFIG,
-        tmp_path,
-        harness_model,
-        "claude",
-        2,
-        f"data.train_files={tmp_path / 'train.jsonl'}",
-        "data.val_files=null",
-        "data.train_batch_size=1",
-        "actor_rollout_ref.rollout.n=2",
-        "agentlightning.async_rollout.async_train_batch_size=2",
-        "algorithm.filter_groups.enable=false",
-        engine=harness_engine,
-    )
+    train = _train(CLAUDE_CONFIG, tmp_path, harness_model, harness_engine, "claude", 2)
     for row in train:
         assert row["rollouts/n_failed"] == 0 and row["rollouts/n_missing_reward"] == 0
         assert row["rollouts/n_samples"] >= 2
