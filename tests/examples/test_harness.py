@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from examples.harness import prepare as harness
 from examples.harness.harnesses import CLAUDE_MOUNT, INSTRUCTIONS
 from examples.harness.task import make_tasks, notes_text, prompt, score
+from rollover.config import load_config
 from rollover.gateway.keys import scoped_key
 from rollover.gateway.server import GatewayThread
 from rollover.training.data import write_tasks
@@ -45,6 +46,10 @@ def test_score_and_tasks():
     assert score(f"{task['code']} or maybe 1234", task["code"]) == 0.0  # the last code-like number counts
     assert score(f"room {task['room']}", task["code"]) == 0.0
     assert f"The secret code is {task['code']}." in notes_text(task)
+    for path in (CLAUDE_CONFIG, AGENTS_SDK_CONFIG):
+        config = load_config(path)
+        assert config.agentlightning.async_rollout.enabled and config.gateway.hold_while_paused
+        assert config.agentlightning.local.agent_class.startswith("examples.harness.agent.")
 
 
 # -- the harnesses against the gateway and a scripted engine (no vLLM) ----------------------
