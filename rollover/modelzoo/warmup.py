@@ -104,8 +104,15 @@ def sft_warmup(
     device: str = "cpu",
     log_every: int = 10,
     num_threads: int | None = None,
+    shared_prefix: bool = False,
 ) -> dict[str, Any]:
     """Fine-tune `model_dir` on the assistant turns of `examples`; save to `out_dir`.
+
+    `shared_prefix`: for chats that open with the same long prompt (a harness's system prompt
+    and tools: thousands of tokens before the few learned ones), each batch is drawn from
+    chats with the same first tokens, their common prefix is run once per step without
+    gradient (its keys and values are the current weights', no gradient flows into them), and
+    the batch's rest attends to it; logits are taken on the learned tokens only.
 
     Returns metrics: initial/final loss (mean over the first/last `log_every` steps),
     the loss curve (one point per `log_every` steps), seconds, token counts. Learning
@@ -137,6 +144,7 @@ def sft_warmup(
             grad_clip=grad_clip,
             device=device,
             log_every=log_every,
+            shared_prefix=shared_prefix,
         )
     finally:
         torch.set_num_threads(previous_threads)
@@ -157,6 +165,7 @@ def _train(
     grad_clip: float,
     device: str,
     log_every: int,
+    shared_prefix: bool = False,
 ) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -191,32 +200,19 @@ def _train(
     order: list[int] = []
     losses: list[float] = []
     n_tokens = 0
+    buckets = _buckets(data) if shared_prefix else []
     start = time.perf_counter()
     for step in range(steps):
-        batch = []
-        for _ in range(batch_size):
-            if not order:
-                order = list(range(len(data)))
-                rng.shuffle(order)
-            batch.append(data[order.pop()])
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
-        learn = torch.zeros((len(batch), width), dtype=torch.bool)
-        for row, (ids, m) in enumerate(batch):
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            attention[row, : len(ids)] = 1
-            learn[row, : len(ids)] = torch.tensor(m, dtype=torch.bool)
-        input_ids, attention, learn = input_ids.to(device), attention.to(device), learn.to(device)
-
-        logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
-        targets = input_ids[:, 1:]
-        target_mask = learn[:, 1:]
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
-        ).view_as(targets)
-        count = target_mask.sum().clamp(min=1)
-        loss = (nll * target_mask).sum() / count
+        if shared_prefix:
+            loss, count = _shared_prefix_loss(model, _draw_bucket(rng, buckets, data, batch_size), pad_id, device)
+        else:
+            batch = []
+            for _ in range(batch_size):
+                if not order:
+                    order = list(range(len(data)))
+                    rng.shuffle(order)
+                batch.append(data[order.pop()])
+            loss, count = _padded_loss(model, batch, pad_id, device)
 
         for group in optim.param_groups:
             group["lr"] = lr_at(step)
@@ -249,3 +245,76 @@ def _train(
     }
     (out / "warmup_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
+
+
+Example = tuple[list[int], list[int]]  # token ids, learned-token mask
+_BUCKET_KEY = 64  # chats whose first this many tokens agree share a bucket
+
+
+def _padded(batch: Sequence[Example], pad_id: int, device: str):  # -> (ids, attention, learn) tensors
+    import torch
+
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(batch), width), dtype=torch.long)
+    learn = torch.zeros((len(batch), width), dtype=torch.bool)
+    for row, (ids, m) in enumerate(batch):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention[row, : len(ids)] = 1
+        learn[row, : len(ids)] = torch.tensor(m, dtype=torch.bool)
+    return input_ids.to(device), attention.to(device), learn.to(device)
+
+
+def _padded_loss(model: Any, batch: Sequence[Example], pad_id: int, device: str):  # -> (loss, count)
+    """The batch's mean next-token loss on its learned tokens, right-padded."""
+    import torch
+
+    input_ids, attention, learn = _padded(batch, pad_id, device)
+    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
+    targets = input_ids[:, 1:]
+    target_mask = learn[:, 1:]
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+    ).view_as(targets)
+    count = target_mask.sum().clamp(min=1)
+    return (nll * target_mask).sum() / count, count
+
+
+def _buckets(data: Sequence[Example]) -> list[list[int]]:
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, (ids, _) in enumerate(data):
+        groups.setdefault(tuple(ids[:_BUCKET_KEY]), []).append(index)
+    return list(groups.values())
+
+
+def _draw_bucket(rng: random.Random, buckets: list[list[int]], data: Sequence[Example], size: int) -> list[Example]:
+    """`size` examples of one bucket, the bucket picked in proportion to its size."""
+    bucket = rng.choices(buckets, weights=[len(b) for b in buckets])[0]
+    return [data[rng.choice(bucket)] for _ in range(size)]
+
+
+def _shared_prefix_loss(model: Any, batch: Sequence[Example], pad_id: int, device: str):  # -> (loss, count)
+    """The batch's mean next-token loss on its learned tokens, its common prefix (up to the
+    token before the first learned one) run once without gradient."""
+    import torch
+
+    first = batch[0][0]
+    limit = min(min(m.index(1) if 1 in m else len(m) for _, m in batch) - 1, min(len(ids) for ids, _ in batch) - 1)
+    shared = 0
+    while shared < limit and all(ids[shared] == first[shared] for ids, _ in batch):
+        shared += 1
+    cache = None
+    if shared > 0:
+        with torch.no_grad():
+            prefix = torch.tensor([first[:shared]], dtype=torch.long, device=device)
+            cache = model(input_ids=prefix, use_cache=True).past_key_values
+        cache.batch_repeat_interleave(len(batch))
+    rest = [(ids[shared:], m[shared:]) for ids, m in batch]
+    input_ids, attention, learn = _padded(rest, pad_id, device)
+    attention = torch.cat([torch.ones((len(batch), shared), dtype=attention.dtype, device=device), attention], 1)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention, past_key_values=cache).last_hidden_state
+    target_mask = learn[:, 1:]
+    logits = model.get_output_embeddings()(hidden[:, :-1][target_mask]).float()
+    nll = torch.nn.functional.cross_entropy(logits, input_ids[:, 1:][target_mask], reduction="sum")
+    count = target_mask.sum().clamp(min=1)
+    return nll / count, count

@@ -107,3 +107,38 @@ def test_warmup_teaches_the_format(tiny_model_dir: Path, tmp_path: Path) -> None
 def test_warmup_rejects_chats_without_assistant(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="assistant"):
         sft_warmup(tiny_model_dir, [[{"role": "user", "content": "hi"}]], tmp_path / "x", steps=1)
+
+
+@pytest.mark.slow
+def test_a_shared_prefix_run_once_gives_the_padded_loss_and_gradient(tiny_model_dir: Path) -> None:
+    """The shared-prefix path (a long common prompt run once, without gradient) computes the same
+    loss as the padded batch, and the same gradient but for what flows through the prefix's keys
+    and values: checked on the parameters the prefix cannot reach (the output embedding when it
+    is not tied would be one; here the last layer's MLP, which the prefix's cached keys and values
+    never pass through)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollover.modelzoo.warmup import _padded_loss, _shared_prefix_loss
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    system = {"role": "system", "content": SYSTEM + " " + " ".join(f"rule {k}." for k in range(40))}
+    rng = random.Random(3)
+    batch = [tokenize_chat(tok, [system, *format_task(rng)[0][1:]]) for _ in range(3)]
+    assert len({tuple(ids[:64]) for ids, _ in batch}) == 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model on shared cores: one thread is much faster
+    try:
+        padded, padded_count = _padded_loss(model, batch, tok.pad_token_id, "cpu")
+        padded.backward()
+        last_mlp = model.model.layers[-1].mlp.down_proj.weight
+        padded_grad = last_mlp.grad.clone()
+        model.zero_grad()
+        shared, shared_count = _shared_prefix_loss(model, batch, tok.pad_token_id, "cpu")
+        shared.backward()
+    finally:
+        torch.set_num_threads(threads)
+    assert int(shared_count) == int(padded_count) > 0
+    assert torch.allclose(shared, padded, atol=1e-5)
+    assert torch.allclose(last_mlp.grad, padded_grad, atol=1e-5)

@@ -98,7 +98,9 @@ Block = Annotated[
 
 
 class Message(_Open):
-    role: Literal["user", "assistant"]
+    # `system` among the messages: Claude Code sends its environment that way (after the first
+    # user turn); it stays a system message at its place.
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -225,6 +227,8 @@ def chat_request(request: CountTokensRequest, unhonoured: list[str]) -> dict[str
         _note_extras(blocks, unhonoured)
         if message.role == "assistant":
             messages.append(_assistant(blocks, where, tool_use_ids, unhonoured))
+        elif message.role == "system":
+            messages.append({"role": "system", "content": _system_text(blocks, where)})
         else:
             messages.extend(_user(blocks, where, tool_use_ids))
     chat: dict[str, Any] = {"model": request.model, "messages": messages}
@@ -304,6 +308,15 @@ def _user(blocks: list[Any], where: str, tool_use_ids: set[str]) -> list[dict[st
         content: Any = texts[0] if len(texts) == 1 else [{"type": "text", "text": text} for text in texts]
         results.append({"role": "user", "content": content})
     return results
+
+
+def _system_text(blocks: list[Any], where: str) -> str:
+    texts = []
+    for index, block in enumerate(blocks):
+        if not isinstance(block, TextBlock):
+            raise ApiError(400, f"{where}.content.{index}: a {block.type} block cannot be in a system message")
+        texts.append(block.text)
+    return "\n\n".join(texts)
 
 
 def _result_text(block: ToolResultBlock, place: str) -> str:

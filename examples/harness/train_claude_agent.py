@@ -1,0 +1,15 @@
+"""Train the harness example through Claude Code: `python examples/harness/train_claude_agent.py [--async] [key=value ...]`.
+
+`--async` sets the recommended window, async_train_batch_size = 2 * train_batch_size (the
+config already runs async with that window).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from examples.launcher import example_main
+
+if __name__ == "__main__":
+    sys.exit(example_main(Path(__file__).with_name("config_claude.yaml"), __doc__))

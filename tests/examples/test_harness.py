@@ -1,0 +1,312 @@
+"""Harnesses people use, unchanged, through the real gateway: Claude Code's CLI (npm, installed by
+`scripts/setup.sh --dev`), the OpenAI Agents SDK, the Anthropic SDK and the OpenAI SDK's
+Responses calls.
+
+Fast lane: each harness runs against the gateway in front of a scripted engine (what the
+harness example's model build captures). With vLLM (`-m vllm`): the SDKs against the real
+engine (token ids recorded as the engine saw them, the prompt the chat template's rendering
+with the tools), and the Agents SDK agent and Claude Code run by the controller, trained on."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from examples.harness import prepare as harness
+from examples.harness.harnesses import CLAUDE_MOUNT, INSTRUCTIONS
+from examples.harness.task import make_tasks, notes_text, prompt, score
+from rollover.config import load_config
+from rollover.gateway.keys import scoped_key
+from rollover.gateway.server import GatewayThread
+from rollover.training.data import write_tasks
+from tests.conftest import ADMIN_KEY
+from tests.runs import train_briefly
+
+ROOT = Path(__file__).resolve().parents[2]
+CLAUDE_CONFIG = ROOT / "examples" / "harness" / "config_claude.yaml"
+AGENTS_SDK_CONFIG = ROOT / "examples" / "harness" / "config_agents_sdk.yaml"
+READ_FILE = {
+    "name": "read_file",
+    "description": "Read a text file of the working folder and return its contents.",
+    "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+}
+
+
+def test_score_and_tasks():
+    [task] = make_tasks(1, seed=0)
+    assert score(f"The secret code is {task['code']}.", task["code"]) == 1.0
+    assert score(f"{task['code']} or maybe 1234", task["code"]) == 0.0  # the last code-like number counts
+    assert score(f"room {task['room']}", task["code"]) == 0.0
+    assert f"The secret code is {task['code']}." in notes_text(task)
+    for path in (CLAUDE_CONFIG, AGENTS_SDK_CONFIG):
+        config = load_config(path)
+        assert config.agentlightning.async_rollout.enabled and config.gateway.hold_while_paused
+        assert config.agentlightning.local.agent_class.startswith("examples.harness.agent.")
+
+
+# -- the harnesses against the gateway and a scripted engine (no vLLM) ----------------------
+
+
+def test_claude_code_runs_unchanged_through_the_gateway():
+    """Claude Code 2.1.332 in print mode finds the gateway through ANTHROPIC_BASE_URL alone; its
+    streamed calls arrive at the engine as chat requests with its 12 tools and its system
+    prompt, and the Read call the engine answers runs and comes back as a tool result."""
+    first, second = harness.capture_claude_code()
+    assert len(first["tools"]) >= 10 and "Read" in {t["function"]["name"] for t in first["tools"]}
+    assert first["stream"] is True and first["messages"][0]["role"] == "system"
+    assert [m["role"] for m in second["messages"][-2:]] == ["assistant", "tool"]
+    [call] = second["messages"][-2]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"file_path": str(CLAUDE_MOUNT / "notes.txt")}
+    assert "The secret code is 7311." in second["messages"][-1]["content"]  # Read ran on the task's notes
+    assert second["messages"][:-2] == first["messages"]  # the second turn extends the first
+
+
+def test_the_agents_sdk_runs_unchanged_through_the_gateway():
+    """The Agents SDK's default model calls the Responses API at OPENAI_BASE_URL; the function
+    tool's call and output come back to the engine as chat turns."""
+    first, second = harness.capture_agents_sdk()
+    assert [t["function"]["name"] for t in first["tools"]] == ["read_file"]
+    assert first["messages"] == [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": prompt("notes.txt")},
+    ]
+    assert second["messages"][-1] == {
+        "role": "tool",
+        "tool_call_id": second["messages"][-2]["tool_calls"][0]["id"],
+        "content": notes_text(harness.CAPTURE_TASK),
+    }
+
+
+def test_transcripts_swap_the_task_and_keep_the_harness_text():
+    requests = harness.capture_agents_sdk()
+    chats = harness.transcripts(requests, 40, seed=3)
+    tasks = make_tasks(40, seed=3)
+    hedged = 0
+    for chat, task in zip(chats, tasks):
+        text = json.dumps(chat["messages"])
+        assert harness.CAPTURE_TASK["code"] not in text and notes_text(task) in chat["messages"][-2]["content"]
+        final = chat["messages"][-1]["content"]
+        hedged += final == harness.hedge(task)
+        assert final in (harness.hedge(task), harness.answer(task))
+        assert chat["messages"][:2] == requests[-1]["messages"][:2] and chat["tools"] == requests[-1]["tools"]
+    assert 10 <= hedged <= 30
+
+
+# -- against the real engine ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def harness_model(tmp_path_factory) -> Path:
+    """The harness example's model, built once (ROLLOVER_TEST_HARNESS_MODEL names a built one)."""
+    if os.environ.get("ROLLOVER_TEST_HARNESS_MODEL"):
+        return Path(os.environ["ROLLOVER_TEST_HARNESS_MODEL"])
+    # Fewer warm-up steps than the example: what these tests check is the wire, not the policy.
+    return harness.harness_model(tmp_path_factory.mktemp("harness-model") / "tiny-harness-warm40", steps=40)
+
+
+@pytest.fixture(scope="module")
+def harness_engine(harness_model, tmp_path_factory):
+    from rollover.testing.engine import start_test_engine
+
+    engine = start_test_engine(
+        harness_model,
+        log_path=tmp_path_factory.mktemp("harness-vllm") / "vllm.log",
+        max_model_len=16384,
+        extra_args=["--enable-prefix-caching"],  # every Claude Code call shares its ~12k-token prompt
+    )
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture
+def attempt(harness_engine):
+    """A running rollout behind a real gateway in front of the engine: (gateway, admin, rollout id)."""
+    with GatewayThread(store=":memory:", admin_key=ADMIN_KEY) as gateway:
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        with httpx.Client(base_url=gateway.url, headers=headers, timeout=120) as admin:
+            admin.post("/api/models", json=[{"model": "policy", "endpoint": harness_engine.base_url}])
+            rid = admin.post("/api/rollouts", json=[{"input": {}, "is_train": True}]).json()[0]["rollout_id"]
+            admin.patch(f"/api/rollouts/{rid}", json={"status": {"state": "running", "last_attempt_id": "a1"}})
+            yield gateway, admin, rid
+
+
+def _records(admin: httpx.Client, rid: str) -> list[dict[str, Any]]:
+    events = admin.get(f"/api/rollouts/{rid}/events", params={"event_type": "model_request"}).json()
+    return [e["data"] for e in events]
+
+
+def _check_tokens(record: dict[str, Any], tokenizer: Any) -> None:
+    """The recorded prompt is the chat template's rendering of the chat request with its tools,
+    and the response ids are the engine's, with one logprob each."""
+    request = record["request"]
+    messages = json.loads(json.dumps(request["messages"]))
+    for message in messages:  # vLLM hands the template each call's arguments as an object
+        for call in message.get("tool_calls") or ():
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    rendered = tokenizer.apply_chat_template(
+        messages, tools=request.get("tools"), tokenize=False, add_generation_prompt=True
+    )
+    assert record["prompt_token_ids"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert request.get("tools") and "<tools>" in rendered
+    assert record["response_token_ids"] and len(record["response_logprobs"]) == len(record["response_token_ids"])
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_anthropic_sdk_against_the_engine(attempt, harness_model, stream: bool) -> None:
+    gateway, admin, rid = attempt
+    client = anthropic.Anthropic(
+        base_url=f"{gateway.url}/proxy/rollout/{rid}/attempt/a1/mode/train/anthropic",
+        api_key=scoped_key(ADMIN_KEY, rid, "a1"),
+    )
+    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt("notes.txt")}]
+    ask: dict[str, Any] = dict(model="policy", max_tokens=96, system=INSTRUCTIONS, tools=[READ_FILE])
+    # A named tool choice makes the engine's structured output write the call (whatever the
+    # model has learnt): what is tested is the wire, not the tiny model.
+    choice = {"type": "tool", "name": "read_file"}
+    if stream:
+        with client.messages.stream(messages=messages, tool_choice=choice, **ask) as events:  # type: ignore[arg-type]
+            kinds = [event.type for event in events]
+            first = events.get_final_message()
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    else:
+        first = client.messages.create(messages=messages, tool_choice=choice, **ask)  # type: ignore[arg-type]
+    [call] = [block for block in first.content if block.type == "tool_use"]
+    # The arguments are the model's (the schema guides the engine's output; this model may
+    # still name another key): an object, as Anthropic's `input` is.
+    assert call.name == "read_file" and isinstance(call.input, dict)
+    [task] = make_tasks(1, seed=5)
+    messages += [
+        {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": notes_text(task)}]},
+    ]
+    second = client.messages.create(messages=messages, **ask)  # type: ignore[arg-type]
+    assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    tokenizer = AutoTokenizer.from_pretrained(harness_model)
+    records = _records(admin, rid)
+    assert [r["api"]["id"] for r in records] == [first.id, second.id]
+    for record in records:
+        _check_tokens(record, tokenizer)
+    # The second prompt holds the first call as the template renders it, and the tool's result.
+    assert records[1]["request"]["messages"][-1] == {
+        "role": "tool",
+        "tool_call_id": call.id,
+        "content": notes_text(task),
+    }
+    assert second.usage.input_tokens == len(records[1]["prompt_token_ids"])
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_openai_responses_against_the_engine(attempt, harness_model, stream: bool) -> None:
+    gateway, admin, rid = attempt
+    client = openai.OpenAI(
+        base_url=f"{gateway.url}/proxy/rollout/{rid}/attempt/a1/mode/train/openai/v1",
+        api_key=scoped_key(ADMIN_KEY, rid, "a1"),
+    )
+    tool = {"type": "function", "name": "read_file", "description": READ_FILE["description"]}
+    tool["parameters"] = READ_FILE["input_schema"]
+    ask: dict[str, Any] = dict(model="policy", instructions=INSTRUCTIONS, tools=[tool], max_output_tokens=96)
+    items: list[Any] = [{"role": "user", "content": prompt("notes.txt")}]
+    choice = {"type": "function", "name": "read_file"}
+    if stream:
+        with client.responses.stream(input=items, tool_choice=choice, **ask) as events:  # type: ignore[arg-type]
+            kinds = [event.type for event in events]
+            first = events.get_final_response()
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+        assert "response.function_call_arguments.delta" in kinds
+    else:
+        first = client.responses.create(input=items, tool_choice=choice, **ask)  # type: ignore[arg-type]
+    [call] = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "read_file" and isinstance(json.loads(call.arguments), dict)
+    [task] = make_tasks(1, seed=6)
+    items += [call.model_dump(exclude_none=True), {"type": "function_call_output", "call_id": call.call_id}]
+    items[-1]["output"] = notes_text(task)
+    second = client.responses.create(input=items, **ask)  # type: ignore[arg-type]
+    assert second.status in ("completed", "incomplete")
+    tokenizer = AutoTokenizer.from_pretrained(harness_model)
+    records = _records(admin, rid)
+    assert [r["api"]["name"] for r in records] == ["responses", "responses"]
+    for record in records:
+        _check_tokens(record, tokenizer)
+    assert records[1]["request"]["messages"][-1]["content"] == notes_text(task)
+    assert second.usage is not None and second.usage.input_tokens == len(records[1]["prompt_token_ids"])
+
+
+def _rollout_records(store: Path) -> dict[str, list[dict[str, Any]]]:
+    """The recorded calls of each training rollout (held-out calls carry no logprobs)."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{store}?mode=ro", uri=True)
+    try:
+        out: dict[str, list[dict[str, Any]]] = {}
+        for rollout_id, data in db.execute(
+            "SELECT e.rollout_id, e.data FROM events e JOIN rollouts r ON r.rollout_id = e.rollout_id"
+            " WHERE e.event_type = 'model_request' AND r.is_train = 1 ORDER BY e.event_id"
+        ):
+            out.setdefault(rollout_id, []).append(json.loads(data))
+        return out
+    finally:
+        db.close()
+
+
+def _train(config: Path, tmp_path: Path, model: Path, engine: Any, name: str, steps: int) -> list[dict[str, Any]]:
+    """`steps` async updates of one group of 2 rollouts each (window 2 groups), on 8 tasks;
+    2 held-out tasks evaluated before and after."""
+    write_tasks(tmp_path / "train.jsonl", make_tasks(8, seed=7))
+    write_tasks(tmp_path / "val.jsonl", make_tasks(2, seed=9))
+    train, _ = train_briefly(
+        config,
+        tmp_path,
+        model,
+        name,
+        steps,
+        f"data.train_files={tmp_path / 'train.jsonl'}",
+        f"data.val_files={tmp_path / 'val.jsonl'}",
+        "data.train_batch_size=1",
+        "actor_rollout_ref.rollout.n=2",
+        "agentlightning.async_rollout.async_train_batch_size=2",
+        "algorithm.filter_groups.enable=false",
+        engine=engine,
+    )
+    return train
+
+
+@pytest.mark.vllm
+def test_the_agents_sdk_agent_runs_as_a_rollout_and_trains(tmp_path, harness_model, harness_engine):
+    [row] = _train(AGENTS_SDK_CONFIG, tmp_path, harness_model, harness_engine, "sdk", 1)
+    assert row["rollouts/n_failed"] == 0 and row["rollouts/n_missing_reward"] == 0
+    records = _rollout_records(tmp_path / "sdk" / "store.db")
+    assert records
+    for calls in records.values():
+        assert all(c["api"]["name"] == "responses" and c["prompt_token_ids"] and c["response_token_ids"] for c in calls)
+        assert [t["function"]["name"] for t in calls[0]["request"]["tools"]] == ["read_file"]
+
+
+@pytest.mark.vllm
+def test_claude_code_completes_rollouts_and_two_updates_train_on_them(tmp_path, harness_model, harness_engine):
+    """Claude Code, run by the controller, against Rollover's engine: its ~12k-token calls are
+    recorded with the engine's token ids, and two async updates train on them."""
+    train = _train(CLAUDE_CONFIG, tmp_path, harness_model, harness_engine, "claude", 2)
+    for row in train:
+        assert row["rollouts/n_failed"] == 0 and row["rollouts/n_missing_reward"] == 0
+        assert row["rollouts/n_samples"] >= 2
+    records = _rollout_records(tmp_path / "claude" / "store.db")
+    assert len(records) >= 4
+    for calls in records.values():
+        first = calls[0]
+        assert first["api"]["name"] == "anthropic" and len(first["request"]["tools"]) >= 10
+        assert len(first["prompt_token_ids"]) > 10_000  # Claude Code's system prompt, environment and tools
+        assert all(
+            c["response_token_ids"] and len(c["response_logprobs"]) == len(c["response_token_ids"]) for c in calls
+        )
