@@ -25,6 +25,7 @@ from rollover.gateway.apis import anthropic, responses
 from rollover.gateway.apis.common import ApiError, Translation
 from rollover.gateway.calls import CALL_ID_HEADER, ProxyCall, UpstreamError
 from rollover.gateway.relay import RelayedStream, forward_unless_disconnected
+from rollover.gateway.sampling import ForbiddenField, check_request
 from rollover.gateway.state import GatewayState
 from rollover.store.errors import StoreError
 from rollover.store.sqlite import RolloutStore
@@ -181,7 +182,13 @@ class TranslatedRoutes:
             mode = check_writer(request, rollout_id, attempt_id, path_mode)
             body = await json_object(request, state.settings.gateway.max_json_depth)
             translation = await translate(body, request)
+            # What the translation asks of the engine passes the chat route's check: in train
+            # mode nothing that makes the recorded logprobs other than the policy's (a forced
+            # tool choice is guided decoding).
+            check_request(translation.chat_body, "chat/completions", mode, state.settings.max_n)
             check_attempt(state, rollout_id, attempt_id)
+        except ForbiddenField as exc:
+            return api_error(shape, 400, f"{exc.field}: {exc.reason}")
         except (ApiError, HTTPException, RequestValidationError, UpstreamError, StoreError) as exc:
             return refused(exc, shape)
         state.note_unhonoured(translation.api, translation.unhonoured)

@@ -172,3 +172,24 @@ def test_a_body_over_the_limit_is_refused_in_the_apis_shape_before_it_is_parsed(
     message = error["error"]["message"]
     assert "gateway.max_body_bytes" in message
     assert (error["type"] == "error") if api == "anthropic" else ("type" in error["error"])
+
+
+@pytest.mark.parametrize(
+    "api, extra",
+    [
+        ("anthropic", {"tool_choice": {"type": "any"}, "tools": [{"name": "f", "input_schema": {"type": "object"}}]}),
+        ("responses", {"tool_choice": "required", "tools": [{"type": "function", "name": "f"}]}),
+    ],
+)
+def test_a_forced_tool_choice_is_refused_in_train_mode_and_served_in_val(gateway, admin, stub, api, extra) -> None:
+    """A forced tool choice is guided decoding: in train mode the recorded logprobs would not be
+    the policy's (the chat route's rule, `gateway.sampling`), so it is refused in the API's shape."""
+    admin.post("/api/models", json=[{"model": "policy", "endpoint": stub.base_url}]).raise_for_status()
+    rid = running_rollout(admin)
+    body = {"model": "policy", **ROUTES[api][1], **extra}
+    refused = httpx.post(route_url(gateway, rid, api), json=body, headers=headers(rid))
+    assert refused.status_code == 400 and "tool_choice" in refused.text
+    assert stub.behaviour.requests == []
+    val = running_rollout(admin, is_train=False)
+    url = route_url(gateway, val, api).replace("/mode/train/", "/mode/val/")
+    assert httpx.post(url, json=body, headers=headers(val)).status_code == 200
