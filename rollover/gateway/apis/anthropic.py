@@ -24,6 +24,7 @@ from rollover.gateway.apis.common import (
     ApiError,
     ApiName,
     ChatAnswer,
+    EventBuffer,
     arguments_object,
     function_tool,
     image_refused,
@@ -345,14 +346,14 @@ def _usage(prompt_tokens: int, output_tokens: int) -> dict[str, int]:
     }
 
 
-class AnthropicStream:
+class AnthropicStream(EventBuffer):
     """The engine's chat chunks as Anthropic's events: `message_start`, per content block
     `content_block_start`, its deltas (`thinking_delta`, `text_delta`, `input_json_delta`) and
     `content_block_stop`, then `message_delta` (stop reason, usage) and `message_stop`."""
 
     def __init__(self, call: AnthropicTranslation) -> None:
+        super().__init__()
         self._call = call
-        self._out: list[bytes] = []
         self._started = False
         self._open: tuple[str, int] | None = None  # the open block's kind and tool-call index
         self._index = -1  # the open block's content index
@@ -434,10 +435,6 @@ class AnthropicStream:
         if self._open is not None:
             self._out.append(sse("content_block_stop", {"type": "content_block_stop", "index": self._index}))
             self._open = None
-
-    def take(self) -> bytes:
-        out, self._out = b"".join(self._out), []
-        return out
 
     def end(self, answer: dict[str, Any]) -> bytes:
         if not self._started:

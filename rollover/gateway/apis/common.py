@@ -156,6 +156,17 @@ def new_id(prefix: str) -> str:
     return prefix + os.urandom(12).hex()
 
 
+class EventBuffer:
+    """The events a stream translator has made and not yet handed to the relay."""
+
+    def __init__(self) -> None:
+        self._out: list[bytes] = []
+
+    def take(self) -> bytes:
+        out, self._out = b"".join(self._out), []
+        return out
+
+
 def sse(event: str, data: dict[str, Any]) -> bytes:
     """One server-sent event with its name, as Anthropic's and OpenAI's streams write them."""
     return b"event: " + event.encode() + b"\ndata: " + codec.dumps(data) + b"\n\n"

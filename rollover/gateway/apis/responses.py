@@ -26,6 +26,7 @@ from rollover.gateway.apis.common import (
     ApiError,
     ApiName,
     ChatAnswer,
+    EventBuffer,
     function_tool,
     image_refused,
     new_id,
@@ -366,14 +367,14 @@ def assistant_message(chat: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
-class ResponsesStream:
+class ResponsesStream(EventBuffer):
     """The engine's chat chunks as the Responses API's events, each with its
     `sequence_number`: `response.created`, `response.in_progress`, per output item
     `response.output_item.added`, its deltas and `...done` events, then `response.completed`."""
 
     def __init__(self, call: ResponsesTranslation) -> None:
+        super().__init__()
         self._call = call
-        self._out: list[bytes] = []
         self._sequence = 0
         self._started = False
         self._open: tuple[str, int] | None = None  # ("text", 0) or ("call", tool-call index)
@@ -461,10 +462,6 @@ class ResponsesStream:
             item["status"] = "completed"
         self._emit("response.output_item.done", {"output_index": output_index, "item": item})
         self._open = None
-
-    def take(self) -> bytes:
-        out, self._out = b"".join(self._out), []
-        return out
 
     def end(self, answer: dict[str, Any]) -> bytes:
         if not self._started:
