@@ -71,7 +71,7 @@ def serve_with_probes(port: int, store: str, report: str) -> None:
     from rollover.config import GatewaySettings
     from rollover.gateway import asgi, connections, upstream
     from rollover.gateway.server import build_server, resolve
-    from rollover.store import sqlite
+    from rollover.store import file, sqlite
 
     clock = time.perf_counter
     marks: dict[str, float] = {}
@@ -111,8 +111,8 @@ def serve_with_probes(port: int, store: str, report: str) -> None:
     probe(upstream._Connection, "send", "engine_sent", after=True)
     probe(upstream._Connection, "data_received", "engine_answered")  # the last piece's arrival
     async_probe(sqlite.RolloutStore, "record_event", "record")
-    probe(sqlite.RolloutStore, "_flush", "commit")
-    probe(sqlite.RolloutStore, "_commit_group", "committed", after=True)
+    probe(file.StoreFile, "_flush", "commit")
+    probe(file.StoreFile, "_commit_group", "committed", after=True)
     send = httptools_impl.RequestResponseCycle.send
 
     async def probed_send(self: Any, message: Any) -> None:

@@ -76,6 +76,14 @@ _OUTCOME_REWARDS = (
     " AND (c.last_call IS NULL OR e.event_id > c.last_call OR e.event_id < c.first_call)"
     " ORDER BY e.event_id"
 )
+# A store written before the `calls` table (opened read-only, so never migrated) has no call
+# ids: every reward of the last attempt may be its outcome.
+_OUTCOME_REWARDS_BEFORE_CALLS = (
+    "SELECT e.rollout_id, e.data FROM events e"
+    " JOIN rollouts r ON r.rollout_id = e.rollout_id AND r.last_attempt_id = e.attempt_id"
+    " WHERE e.event_type = 'reward' AND e.rollout_id IN ({ids})"
+    " ORDER BY e.event_id"
+)
 _INSERT_CALL = "INSERT OR REPLACE INTO calls (call_id, rollout_id, attempt_id, event_id) VALUES (?, ?, ?, ?)"
 _UPSERT_STATE = (
     "INSERT INTO gateway_state (key, value, updated_at) VALUES (?, ?, ?)"
@@ -501,9 +509,11 @@ class RolloutStore:
 
         def query(conn: sqlite3.Connection) -> dict[str, float | None]:
             found: dict[str, float | None] = dict.fromkeys(ids)
+            has_calls = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='calls'").fetchone()
+            sql, lists = (_OUTCOME_REWARDS, 2) if has_calls else (_OUTCOME_REWARDS_BEFORE_CALLS, 1)
             for start in range(0, len(ids), 500):
                 chunk = ids[start : start + 500]
-                rows = conn.execute(_OUTCOME_REWARDS.format(ids=",".join("?" * len(chunk))), chunk * 2).fetchall()
+                rows = conn.execute(sql.format(ids=",".join("?" * len(chunk))), chunk * lists).fetchall()
                 for row in rows:
                     data = codec.loads_lenient(row["data"])
                     if isinstance(data, dict) and not isinstance(data.get("call_id"), str):  # named: a turn's

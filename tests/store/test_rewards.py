@@ -5,6 +5,7 @@ unknown call, 403 for another attempt's; `format=triplet` gives each call its re
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from typing import Any
 
 import httpx
@@ -78,6 +79,35 @@ def test_the_store_reads_per_turn_rewards_and_outcomes_alike_in_both_views(tmp_p
             store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_store_written_before_the_calls_table_reads_its_outcomes(tmp_path) -> None:
+    """Older run folders (opened read-only, never migrated) have no `calls` table: the viewer
+    and `rollover view` still read their rewards, every one of them an outcome."""
+
+    async def write() -> None:
+        store = RolloutStore(tmp_path / "s.db")
+        try:
+            await store.add_rollouts([RolloutCreate(rollout_id="r0")])
+            await store.update_status("r0", StatusFields(state=RolloutState.RUNNING, last_attempt_id="a1"))
+            for value in (0.5, 1.0):
+                await store.record_event("r0", "a1", *reward(value))
+        finally:
+            store.close()
+
+    asyncio.run(write())
+    with sqlite3.connect(tmp_path / "s.db") as conn:
+        conn.execute("DROP TABLE calls")
+    conn.close()
+
+    async def read() -> dict[str, float | None]:
+        store = RolloutStore(tmp_path / "s.db", read_only=True)
+        try:
+            return await store.rewards(["r0"])
+        finally:
+            store.close()
+
+    assert asyncio.run(read()) == {"r0": 1.0}
 
 
 @pytest.fixture
