@@ -29,7 +29,8 @@ from rollover.ranks.commands import (
     SyncWeights,
     Update,
 )
-from rollover.training.policy import Policy
+from rollover.training.actor import Actor
+from rollover.training.update_settings import ActorSettings
 
 log = logging.getLogger("rollover.ranks")
 T = TypeVar("T")
@@ -74,7 +75,7 @@ def follow(config: RolloverConfig, world: World) -> int:
     try:
         for engine in engines:
             engine.start()
-        policy = Policy(hello.model_path, config, world)
+        actor = Actor.load(hello.model_path, ActorSettings.from_config(config), world)
         if engines:
             node.run(wait_all_ready(engines))
             node.run(register_all(engines, hello.gateway_url, hello.admin_key, hello.policy_version))
@@ -91,18 +92,18 @@ def follow(config: RolloverConfig, world: World) -> int:
             if isinstance(command, Stop):
                 return 0
             if isinstance(command, Update):
-                policy.run_update(command.plan)
+                actor.run_update(command.plan)
             elif isinstance(command, BeforeUpdate):
                 node.run(weight_sync.before_update())
             elif isinstance(command, SyncWeights):
-                node.run(weight_sync.sync(policy, command.version))
+                node.run(weight_sync.sync(actor, command.version))
                 channel.barrier()
             elif isinstance(command, SaveModel):
-                policy.save(command.directory)
+                actor.save(command.directory)
             elif isinstance(command, SaveTrainingState):
-                policy.save_training_state(command.directory)
+                actor.save_training_state(command.directory)
             elif isinstance(command, LoadTrainingState):
-                policy.load_training_state(command.directory)
+                actor.load_training_state(command.directory)
             else:
                 raise RuntimeError(f"rank {world.rank}: unknown command {command!r}")
     finally:

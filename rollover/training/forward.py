@@ -4,29 +4,22 @@ Every rank holds the whole batch. `rank_passes` gives each rank its share (balan
 tokens) cut into forward passes, by count or by token budget (verl's `use_dynamic_bsz`), and
 how many passes every rank must run: FSDP's gathers need the same number on each rank, so a
 rank out of samples runs stand-in passes. `per_sample_logprobs` is the no-grad use of it (π_old,
-π_ref): each rank computes its share, then every rank gets every sample's.
+π_ref, and Σπ² for the optimal token baseline): each rank computes its share, then every rank
+gets every sample's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from rollover.distributed import sharding
 from rollover.distributed.split import balanced_split, micro_batches
 from rollover.distributed.world import World
-from rollover.training.logprobs import token_logprobs
+from rollover.training.logprobs import token_logprobs, token_logprobs_and_sum_pi_squared
 from rollover.training.samples import Sample, collate
-
-
-@dataclass(frozen=True)
-class Batching:
-    """Samples per forward pass on a rank, or (with `token_budget`) padded tokens per pass."""
-
-    size: int
-    token_budget: int | None = None
+from rollover.training.update_settings import Batching
 
 
 def rank_passes(lengths: Sequence[int], world: World, batching: Batching) -> tuple[list[list[int]], int]:
@@ -50,8 +43,40 @@ def per_sample_logprobs(
 ) -> list[torch.Tensor]:
     """Every sample's target-aligned logprobs (``[len - 1]``, on the host) under `model`, with
     no gradient, the ranks sharing the work."""
+    return [
+        logprobs
+        for logprobs, _ in _per_sample(model, samples, pad_token_id, temperature, world, device, batching, False)
+    ]
+
+
+def per_sample_logprobs_and_sum_pi_squared(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    *,
+    pad_token_id: int,
+    temperature: float,
+    world: World,
+    device: torch.device,
+    batching: Batching,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`per_sample_logprobs`, and with each sample's ``Σ_v π(v)²`` of every next-token
+    distribution (verl's ``sum_pi_squared``, which the optimal token baseline needs)."""
+    found = _per_sample(model, samples, pad_token_id, temperature, world, device, batching, True)
+    return [(logprobs, squares) for logprobs, squares in found if squares is not None]
+
+
+def _per_sample(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    pad_token_id: int,
+    temperature: float,
+    world: World,
+    device: torch.device,
+    batching: Batching,
+    sum_pi_squared: bool,
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     mine, n_passes = rank_passes([len(s) for s in samples], world, batching)
-    computed: dict[int, torch.Tensor] = {}
+    computed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -59,9 +84,16 @@ def per_sample_logprobs(
             indices = mine[position] if position < len(mine) else []
             chunk = [samples[i] for i in indices] or [samples[0]]  # a stand-in keeps FSDP's gathers in step
             batch = {k: v.to(device) for k, v in collate(chunk, pad_token_id).items()}
-            logprobs = token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature=temperature)
+            squares: torch.Tensor | None = None
+            if sum_pi_squared:
+                logprobs, squares = token_logprobs_and_sum_pi_squared(
+                    model, batch["input_ids"], batch["attention_mask"], temperature=temperature
+                )
+            else:
+                logprobs = token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature=temperature)
             for row, index in enumerate(indices):
-                computed[index] = logprobs[row, : len(samples[index]) - 1].cpu()
+                n = len(samples[index]) - 1
+                computed[index] = (logprobs[row, :n].cpu(), None if squares is None else squares[row, :n].cpu())
     model.train(was_training)
     if world.distributed:
         for part in sharding.all_gather_objects(computed):

@@ -9,20 +9,20 @@ import pytest
 
 from rollover.config import ConfigError, GatewaySettings, load_config
 from rollover.config.actor_rollout_ref import KLType, LossAggMode, ScheduleKind
-from rollover.config.algorithm import CorrectionLossType, RejectionMode, RolloutIsMode
+from rollover.config.algorithm import RolloutIsMode
+from rollover.config.loss_choice import PgLoss
 from rollover.config.no_effect import NO_EFFECT, no_effect_notes
 from rollover.training.loss.aggregate import AGGREGATIONS
-from rollover.training.loss.correction import IS_STATISTICS, REJECTION_STATISTICS
+from rollover.training.loss.correction import IS_MODES
 from rollover.training.loss.kl import KL_ESTIMATORS
-from rollover.training.loss.policy import POLICY_LOSSES
+from rollover.training.loss.pg import PG_LOSSES
 from rollover.training.schedule import SCHEDULES
 
 
 def test_every_closed_set_of_names_has_one_function_per_name():
     assert set(get_args(LossAggMode)) == set(AGGREGATIONS)
-    assert set(get_args(CorrectionLossType)) == set(POLICY_LOSSES)
-    assert set(get_args(RolloutIsMode)) == set(IS_STATISTICS)
-    assert set(get_args(RejectionMode)) == set(REJECTION_STATISTICS)
+    assert set(get_args(PgLoss)) == set(PG_LOSSES)
+    assert set(get_args(RolloutIsMode)) == set(IS_MODES)
     assert set(get_args(ScheduleKind)) == set(SCHEDULES)
     assert {name.rstrip("+") for name in get_args(KLType)} == set(KL_ESTIMATORS)
 
