@@ -4,9 +4,9 @@ there are several), its checkpoints, and the optimizer steps of one update.
 One update, from `Trainer.train_step` to `optimizer.step()`:
 
 1. `plan.plan_update` (rank 0): the samples and each optimizer step's mini-batch;
-2. `Actor.run_update` (every rank, the same plan): the forward passes before the steps (π_old,
-   each sample through its own policy's adapter; π_ref; Σπ²), then `prepare.prepare_update`:
-   rollout correction, advantages, per_rollout_mean's divisors, over the whole batch;
+2. `Actor.run_update` (every rank, the same plan): `forward.recompute` (π_old, each sample
+   through its own policy's adapter; π_ref; Σπ²), then `prepare.prepare_update`: rollout
+   correction, advantages, per_rollout_mean's divisors, over the whole batch;
 3. `Actor._optimizer_step` per mini-batch: this rank's share of its micro-batches, each
    `objective.micro_batch_objective` over the mini-batch's counts, backward, then one
    `optimizer.step()`; so N ranks and any micro-batching take the step one rank with the whole
@@ -29,11 +29,11 @@ from rollover.distributed import sharding
 from rollover.distributed.world import World
 from rollover.metrics.progress import NullProgress, Progress
 from rollover.training import lora
-from rollover.training.forward import per_sample_logprobs, per_sample_logprobs_and_sum_pi_squared, rank_passes
+from rollover.training.forward import rank_passes, recompute
 from rollover.training.logprobs import logprobs_and_entropy
-from rollover.training.loss.aggregate import BatchCounts, local_counts
-from rollover.training.loss.covariance import clip_cov_selection, kl_cov_selection
-from rollover.training.objective import Forward, Objective, micro_batch_objective
+from rollover.training.loss.aggregate import mini_batch_counts
+from rollover.training.loss.covariance import mini_batch_selection
+from rollover.training.objective import Forward, MetricTotals, micro_batch_objective
 from rollover.training.plan import UpdatePlan, plan_update
 from rollover.training.prepare import PreparedSample, Recomputed, prepare_update
 from rollover.training.reference import AdapterOffReference, Reference
@@ -217,89 +217,19 @@ class Actor:
             settings["actor/kl_coef"] = self.settings.update.kl_loss_coef
         return averaged | settings | plan.metrics | prepared.metrics
 
-    # -- before the steps: π_old, π_ref, Σπ² --------------------------------------------------
-
     def recompute(self, samples: Sequence[Sample]) -> list[Recomputed]:
-        """π_old (in bypass mode the recorded μ), Σπ² when the estimator needs it, and π_ref
-        when a KL term does, for every sample, on every rank."""
-        update = self.settings.update
-        if update.correction.bypass:
-            olds: list[tuple[torch.Tensor, torch.Tensor | None]] = [
-                (torch.tensor(s.behaviour_logprobs[1:], dtype=torch.float32), None) for s in samples
-            ]
-        else:
-            olds = self._old_logprobs(samples, sum_pi_squared=update.needs_sum_pi_squared)
-        refs: list[torch.Tensor | None] = [None] * len(samples)
-        if self.reference is not None:
-            refs = list(self.reference.logprobs(samples, self.pad_token_id, update.temperature))
-        return [Recomputed(old, ref, squares) for (old, squares), ref in zip(olds, refs)]
-
-    def _old_logprobs(
-        self, samples: Sequence[Sample], *, sum_pi_squared: bool
-    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """log π_old (and Σπ²) of every sample, each through its own policy's adapter (every
-        rank runs the same passes in the same order: they are collectives)."""
-        policies = self.settings.policies
-        parts = [[i for i, s in enumerate(samples) if s.policy == name] for name in policies]
-        found: list[tuple[torch.Tensor, torch.Tensor | None]] = [(torch.empty(0), None)] * len(samples)
-        names: list[str | None] = [*policies] or [None]
-        for name, indices in zip(names, parts or [list(range(len(samples)))]):
-            if not indices:
-                continue
-            if name is not None:
-                lora.activate(self.model, name)
-            chunk = [samples[i] for i in indices]
-            options = {
-                "pad_token_id": self.pad_token_id,
-                "temperature": self.settings.update.temperature,
-                "world": self.world,
-                "device": self.device,
-                "batching": self.settings.old_logprob_batches,
-            }
-            computed: list[tuple[torch.Tensor, torch.Tensor | None]] = (
-                list(per_sample_logprobs_and_sum_pi_squared(self.model, chunk, **options))  # type: ignore[arg-type]
-                if sum_pi_squared
-                else [(old, None) for old in per_sample_logprobs(self.model, chunk, **options)]  # type: ignore[arg-type]
-            )
-            for i, value in zip(indices, computed):
-                found[i] = value
-        return found
+        """π_old (in bypass mode the recorded μ), Σπ² and π_ref of every sample (`forward.recompute`)."""
+        return recompute(
+            self.model,
+            samples,
+            self.settings,
+            self.reference,
+            pad_token_id=self.pad_token_id,
+            world=self.world,
+            device=self.device,
+        )
 
     # -- one optimizer step ---------------------------------------------------------------
-
-    def _counts(self, rows: Sequence[PreparedSample]) -> BatchCounts:
-        """The mini-batch's counts (every rank holds every sample, so no collective)."""
-        n_tokens = n_sequences = 0.0
-        for row in rows:
-            tokens, sequences = local_counts(row.trained.unsqueeze(0))
-            n_tokens += tokens
-            n_sequences += sequences
-        return BatchCounts(n_tokens, n_sequences, self.settings.update.norm_length)
-
-    def _selection(self, rows: Sequence[PreparedSample], seed: int) -> list[torch.Tensor] | None:
-        """The tokens clip_cov cuts or kl_cov penalises, chosen over the whole mini-batch from
-        π_old (`loss.covariance`), per row; None for the other losses."""
-        loss, parameters = self.settings.update.loss.pg_loss, self.settings.update.parameters
-        if loss not in ("clip_cov", "kl_cov"):
-            return None
-        width = max(len(r.trained) for r in rows)
-        mask = pad_rows([r.trained for r in rows], width)
-        advantages = pad_rows([r.advantages for r in rows], width)
-        old = pad_rows([torch.nan_to_num(r.old) for r in rows], width)
-        if loss == "clip_cov":
-            generator = torch.Generator().manual_seed(seed)
-            chosen = clip_cov_selection(
-                advantages,
-                old,
-                mask,
-                ratio=parameters.clip_cov_ratio,
-                lower=parameters.clip_cov_lb,
-                upper=parameters.clip_cov_ub,
-                generator=generator,
-            )
-        else:
-            chosen = kl_cov_selection(advantages, old, mask, ratio=parameters.kl_cov_ratio)
-        return [chosen[i, : len(r.trained)].float() for i, r in enumerate(rows)]
 
     def _forward(self, rows: Sequence[PreparedSample]) -> Forward:
         batch = {k: v.to(self.device) for k, v in collate([r.sample for r in rows], self.pad_token_id).items()}
@@ -319,12 +249,14 @@ class Actor:
         its metrics, its trained-token count, and whether the step was taken."""
         if self.settings.policies:  # the mini-batch is one policy's: its adapter alone gets a gradient
             lora.activate(self.model, str(rows[0].sample.policy))
-        counts = self._counts(rows)
-        selection = self._selection(rows, seed)
+        # The mini-batch's counts (every rank holds every sample: no collective).
+        counts = mini_batch_counts([r.trained for r in rows], self.settings.update.norm_length)
+        selection = mini_batch_selection(
+            [r.advantages for r in rows], [r.old for r in rows], [r.trained for r in rows], self.settings.update, seed
+        )
         mine, n_passes = rank_passes([len(r.sample) for r in rows], self.world, self.settings.micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
-        means: dict[str, list[float]] = {}
-        shares: dict[str, float] = {}
+        totals = MetricTotals()
         for position in range(n_passes):
             indices = mine[position] if position < len(mine) else []
             # A rank out of samples runs a zero-weighted pass: FSDP needs every rank's backward.
@@ -340,7 +272,7 @@ class Actor:
             weight = float(self.world.size) if indices else 0.0
             (micro.loss * weight).backward()
             if indices:
-                _accumulate(micro, means, shares)
+                totals.add(micro)
         grad_norm = float(
             sharding.full_tensor(
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.update.grad_clip)
@@ -354,35 +286,7 @@ class Actor:
         if stepped:
             self.optimizer.step()
         if self.world.distributed:
-            means = _summed_pairs(sharding.all_gather_objects(means))
-            shares = _summed(sharding.all_gather_objects(shares))
-        result = {key: total / max(count, 1.0) for key, (total, count) in means.items()} | shares
+            totals = MetricTotals.merged(sharding.all_gather_objects(totals))
+        result = totals.values()
         result["actor/grad_norm"] = grad_norm
         return result, counts.n_tokens, stepped
-
-
-def _accumulate(micro: Objective, means: dict[str, list[float]], shares: dict[str, float]) -> None:
-    for key, (total, count) in micro.means.items():
-        into = means.setdefault(key, [0.0, 0.0])
-        into[0] += total
-        into[1] += count
-    for key, value in micro.shares.items():
-        shares[key] = shares.get(key, 0.0) + value
-
-
-def _summed(parts: Sequence[dict[str, float]]) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for part in parts:
-        for key, value in part.items():
-            total[key] = total.get(key, 0.0) + value
-    return total
-
-
-def _summed_pairs(parts: Sequence[dict[str, list[float]]]) -> dict[str, list[float]]:
-    total: dict[str, list[float]] = {}
-    for part in parts:
-        for key, (value, count) in part.items():
-            into = total.setdefault(key, [0.0, 0.0])
-            into[0] += value
-            into[1] += count
-    return total

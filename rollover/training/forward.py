@@ -11,15 +11,22 @@ gets every sample's.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from rollover.distributed import sharding
 from rollover.distributed.split import balanced_split, micro_batches
 from rollover.distributed.world import World
+from rollover.training import lora
 from rollover.training.logprobs import token_logprobs, token_logprobs_and_sum_pi_squared
+from rollover.training.prepare import Recomputed
 from rollover.training.samples import Sample, collate
-from rollover.training.update_settings import Batching
+from rollover.training.update_settings import ActorSettings, Batching
+
+
+class ReferenceLike(Protocol):
+    def logprobs(self, samples: Sequence[Sample], pad_token_id: int, temperature: float) -> list[torch.Tensor]: ...
 
 
 def rank_passes(lengths: Sequence[int], world: World, batching: Batching) -> tuple[list[list[int]], int]:
@@ -99,3 +106,45 @@ def _per_sample(
         for part in sharding.all_gather_objects(computed):
             computed.update(part)
     return [computed[i] for i in range(len(samples))]
+
+
+def recompute(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    settings: ActorSettings,
+    reference: ReferenceLike | None,
+    *,
+    pad_token_id: int,
+    world: World,
+    device: torch.device,
+) -> list[Recomputed]:
+    """What the update recomputes before its optimizer steps, for every sample, on every rank:
+    log π_old (in bypass mode the recorded log μ instead: no pass), Σπ² when the estimator
+    needs it, and log π_ref when a KL term does. Each sample goes through its own policy's
+    adapter; every rank runs the same passes in the same order (they are collectives)."""
+    update = settings.update
+    found: list[tuple[torch.Tensor, torch.Tensor | None]] = [(torch.empty(0), None)] * len(samples)
+    if update.correction.bypass:
+        found = [(torch.tensor(s.behaviour_logprobs[1:], dtype=torch.float32), None) for s in samples]
+    else:
+        policies = settings.policies
+        names: list[str | None] = [*policies] or [None]
+        parts = [[i for i, s in enumerate(samples) if s.policy == name] for name in policies] or [
+            list(range(len(samples)))
+        ]
+        for name, indices in zip(names, parts):
+            if not indices:
+                continue
+            if name is not None:
+                lora.activate(model, name)
+            chunk = [samples[i] for i in indices]
+            passes = _per_sample(
+                model, chunk, pad_token_id, update.temperature, world, device, settings.old_logprob_batches,
+                update.needs_sum_pi_squared,
+            )  # fmt: skip
+            for i, value in zip(indices, passes):
+                found[i] = value
+    refs: list[torch.Tensor | None] = [None] * len(samples)
+    if reference is not None:
+        refs = list(reference.logprobs(samples, pad_token_id, update.temperature))
+    return [Recomputed(old, ref, squares) for (old, squares), ref in zip(found, refs)]

@@ -47,6 +47,33 @@ class Objective:
     shares: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class MetricTotals:
+    """The micro-batches' metrics of one optimizer step, added up on a rank and then over the
+    ranks (`merged`): the means' sums and counts, and the shares' sums."""
+
+    sums: dict[str, list[float]] = field(default_factory=dict)  # key -> [Σ value, count]
+    shares: dict[str, float] = field(default_factory=dict)
+
+    def add(self, objective: Objective) -> None:
+        for key, (total, count) in objective.means.items():
+            into = self.sums.setdefault(key, [0.0, 0.0])
+            into[0] += total
+            into[1] += count
+        for key, value in objective.shares.items():
+            self.shares[key] = self.shares.get(key, 0.0) + value
+
+    @classmethod
+    def merged(cls, parts: Sequence[MetricTotals]) -> MetricTotals:
+        total = cls()
+        for part in parts:
+            total.add(Objective(torch.zeros(()), {k: (v[0], v[1]) for k, v in part.sums.items()}, part.shares))
+        return total
+
+    def values(self) -> dict[str, float]:
+        return {key: total / max(count, 1.0) for key, (total, count) in self.sums.items()} | dict(self.shares)
+
+
 def _mean(values: torch.Tensor, on: torch.Tensor) -> tuple[float, float]:
     return float(on_mask(values.detach(), on).sum()), float(on.sum())
 

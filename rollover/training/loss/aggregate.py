@@ -45,6 +45,16 @@ def local_counts(mask: torch.Tensor) -> tuple[float, float]:
     return float(valid.sum().item()), float(valid.any(dim=-1).sum().item())
 
 
+def mini_batch_counts(masks: Sequence[torch.Tensor], norm_length: float) -> BatchCounts:
+    """The counts of a mini-batch whose rows' trained masks are `masks` (each `[T]`)."""
+    n_tokens = n_sequences = 0.0
+    for mask in masks:
+        tokens, sequences = local_counts(mask.unsqueeze(0))
+        n_tokens += tokens
+        n_sequences += sequences
+    return BatchCounts(n_tokens, n_sequences, norm_length)
+
+
 def _row_sums(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``Σ_t m_t·v_t`` per row: ``[B]``."""
     return on_mask(values, valid_mask(mask)).sum(dim=-1)

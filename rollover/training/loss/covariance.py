@@ -13,9 +13,13 @@ an on-policy update has π_θ = π_old: the same covariances). Clip-Cov's random
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from rollover.training.loss.masked import on_mask, valid_mask
+from rollover.training.samples import pad_rows
+from rollover.training.update_settings import UpdateSettings
 
 
 def covariance(advantages: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -66,3 +70,34 @@ def kl_cov_selection(
     positions = torch.nonzero(valid)[top]
     chosen[positions[:, 0], positions[:, 1]] = True
     return chosen
+
+
+def mini_batch_selection(
+    advantages: Sequence[torch.Tensor],
+    old_logprobs: Sequence[torch.Tensor],
+    trained: Sequence[torch.Tensor],
+    settings: UpdateSettings,
+    seed: int,
+) -> list[torch.Tensor] | None:
+    """The tokens clip_cov cuts or kl_cov penalises in one mini-batch, from its rows'
+    advantages, π_old and trained masks, per row (float 0/1); None for the other losses.
+    `seed` draws clip_cov's choice (the plan's, so every rank draws alike)."""
+    loss, parameters = settings.loss.pg_loss, settings.parameters
+    if loss not in ("clip_cov", "kl_cov"):
+        return None
+    width = max(len(t) for t in trained)
+    mask, adv = pad_rows(list(trained), width), pad_rows(list(advantages), width)
+    old = pad_rows([torch.nan_to_num(o) for o in old_logprobs], width)
+    if loss == "clip_cov":
+        chosen = clip_cov_selection(
+            adv,
+            old,
+            mask,
+            ratio=parameters.clip_cov_ratio,
+            lower=parameters.clip_cov_lb,
+            upper=parameters.clip_cov_ub,
+            generator=torch.Generator().manual_seed(seed),
+        )
+    else:
+        chosen = kl_cov_selection(adv, old, mask, ratio=parameters.kl_cov_ratio)
+    return [chosen[i, : len(t)].float() for i, t in enumerate(trained)]
