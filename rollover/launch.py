@@ -140,6 +140,7 @@ async def _run(
 ) -> int:
     from rollover.controller import Controller
     from rollover.engine.pool import node_engines, register_all, wait_all_ready
+    from rollover.engine.settings import EngineSettings
     from rollover.engine.watchdog import EngineWatchdog
     from rollover.engine.weight_sync import engine_weight_sync
     from rollover.gateway.client import GatewayClient
@@ -153,6 +154,7 @@ async def _run(
     from rollover.training.update_settings import ActorSettings
 
     trainer_settings = TrainerSettings.from_config(config)  # its rules checked before anything starts
+    engine_settings = EngineSettings.from_config(config)
     train_tasks = read_tasks(_required(config.data.train_files, "data.train_files"))
     val_tasks = read_tasks(config.data.val_files) if config.data.val_files else []
     model_path = _required(config.actor_rollout_ref.model.path, "actor_rollout_ref.model.path")
@@ -172,7 +174,9 @@ async def _run(
         GatewaySettings.from_config(config, store=config.gateway.store_path(run_dir)), log_path=run_dir / "gateway.log"
     )
     admin_key = gateway.admin_key
-    engines = [shared_engine] if shared_engine is not None else node_engines(config, model_path, run_dir, world)
+    engines = (
+        [shared_engine] if shared_engine is not None else node_engines(engine_settings, model_path, run_dir, world)
+    )
     started = time.monotonic()
     metrics = MetricsLogger(
         run_dir,
@@ -205,7 +209,9 @@ async def _run(
             shared_engine.attach_gateway(gateway.url, admin_key)  # not the previous run's gateway
             await shared_engine.load_weights(model_path, version=0)
         locks = [asyncio.Lock() for _ in engines]
-        weight_sync: Any = engine_weight_sync(config, engines, run_dir / "weights" / f"node{world.node_rank}", locks)
+        weight_sync: Any = engine_weight_sync(
+            engine_settings, engines, run_dir / "weights" / f"node{world.node_rank}", locks
+        )
         trainer_actor: Any = actor
         if followers is not None:
             trainer_actor, weight_sync = followers.lead(actor, weight_sync)
@@ -241,7 +247,7 @@ async def _run(
                 # The engines serve the policy's adapter from the first call: a fresh one (the
                 # base's answers), lora_adapter_path's, or a resumed run's.
                 await weight_sync.sync(trainer_actor, trainer.policy_version)
-            max_restarts = config.actor_rollout_ref.rollout.max_engine_restarts
+            max_restarts = engine_settings.max_restarts
             watchdogs = [
                 EngineWatchdog(engine, lock, max_restarts=max_restarts).run() for engine, lock in zip(engines, locks)
             ]

@@ -4,8 +4,8 @@ Every rank holds the whole batch. `rank_passes` gives each rank its share (balan
 tokens) cut into forward passes, by count or by token budget (verl's `use_dynamic_bsz`), and
 how many passes every rank must run: FSDP's gathers need the same number on each rank, so a
 rank out of samples runs stand-in passes. `per_sample_logprobs` is the no-grad use of it (π_old,
-π_ref, and Σπ² for the optimal token baseline): each rank computes its share, then every rank
-gets every sample's.
+π_ref; and `recompute`, π_old with Σπ² for the optimal token baseline): each rank computes its
+share, then every rank gets every sample's.
 """
 
 from __future__ import annotations
@@ -54,22 +54,6 @@ def per_sample_logprobs(
         logprobs
         for logprobs, _ in _per_sample(model, samples, pad_token_id, temperature, world, device, batching, False)
     ]
-
-
-def per_sample_logprobs_and_sum_pi_squared(
-    model: torch.nn.Module,
-    samples: Sequence[Sample],
-    *,
-    pad_token_id: int,
-    temperature: float,
-    world: World,
-    device: torch.device,
-    batching: Batching,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`per_sample_logprobs`, and with each sample's ``Σ_v π(v)²`` of every next-token
-    distribution (verl's ``sum_pi_squared``, which the optimal token baseline needs)."""
-    found = _per_sample(model, samples, pad_token_id, temperature, world, device, batching, True)
-    return [(logprobs, squares) for logprobs, squares in found if squares is not None]
 
 
 def _per_sample(

@@ -63,15 +63,7 @@ class Reference:
         """log π_ref of every sample's tokens (target-aligned, on the host), in micro-batches of
         `ref.log_prob_micro_batch_size_per_gpu` (or by token budget), the ranks sharing them."""
         with self._on_device():
-            return per_sample_logprobs(
-                self.model,
-                samples,
-                pad_token_id=pad_token_id,
-                temperature=temperature,
-                world=self.world,
-                device=self.device,
-                batching=self.settings.batching,
-            )
+            return _logprobs(self.model, samples, self.settings, self.world, self.device, pad_token_id, temperature)
 
 
 class AdapterOffReference:
@@ -88,12 +80,26 @@ class AdapterOffReference:
     def logprobs(self, samples: Sequence[Sample], pad_token_id: int, temperature: float) -> list[torch.Tensor]:
         """log π_ref as `Reference.logprobs` computes it, through the base weights alone."""
         with self.model.disable_adapter():  # type: ignore[operator]
-            return per_sample_logprobs(
-                self.model,
-                samples,
-                pad_token_id=pad_token_id,
-                temperature=temperature,
-                world=self.world,
-                device=self.device,
-                batching=self.settings.batching,
-            )
+            return _logprobs(self.model, samples, self.settings, self.world, self.device, pad_token_id, temperature)
+
+
+def _logprobs(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    settings: ReferenceSettings,
+    world: World,
+    device: torch.device,
+    pad_token_id: int,
+    temperature: float,
+) -> list[torch.Tensor]:
+    """log π_ref of every sample through `model` as it stands, in the reference's own
+    micro-batches (`ref.log_prob_*`), the ranks sharing them."""
+    return per_sample_logprobs(
+        model,
+        samples,
+        pad_token_id=pad_token_id,
+        temperature=temperature,
+        world=world,
+        device=device,
+        batching=settings.batching,
+    )
