@@ -1,4 +1,4 @@
-"""LoRA (verl's `actor_rollout_ref.model.lora_rank` > 0): the policy is a PEFT adapter over
+"""LoRA (verl's `actor_rollout_ref.model.lora_rank` > 0): the actor is a PEFT adapter over
 frozen base weights. Only the adapter is trained, checkpointed and sent to the engines; the
 base never moves, and with the adapter disabled it is the KL reference.
 
