@@ -96,7 +96,13 @@ class RolloverConfig(Section):
                 f"algorithm.adv_estimator=grpo_passk gives the best of each group r_max - r_second: "
                 f"actor_rollout_ref.rollout.n must be at least 2 (got {n})"
             )
-        if estimator == "optimal_token_baseline" and self.algorithm.rollout_correction.bypass_mode:
+        correction = self.algorithm.rollout_correction
+        if correction.bypass_mode and correction.rollout_is_batch_normalize and correction.loss_type == "reinforce":
+            raise ValueError(
+                "algorithm.rollout_correction.rollout_is_batch_normalize=true with bypass_mode=true: the IS weights are "
+                "taken per micro-batch there, so their mean would depend on the micro-batching; set one of them false"
+            )
+        if estimator == "optimal_token_baseline" and correction.bypass_mode:
             raise ValueError(
                 "algorithm.adv_estimator=optimal_token_baseline weighs each token by π_old's Σπ² from the π_old "
                 "forward pass, which algorithm.rollout_correction.bypass_mode=true skips: set one of them otherwise"

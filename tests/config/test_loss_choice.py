@@ -47,6 +47,10 @@ def test_the_three_keys_resolve_into_one_loss(mode, agg, loss_type, bypass, pg, 
     [
         ([f"{MODE}=gspo", f"{BYPASS}=true"], [BYPASS, MODE, "loss_type"]),
         ([f"{MODE}=cispo", f"{TYPE}=reinforce"], [TYPE, MODE]),
+        (
+            [f"{BYPASS}=true", f"{TYPE}=reinforce", "algorithm.rollout_correction.rollout_is_batch_normalize=true"],
+            ["rollout_is_batch_normalize", "bypass_mode"],
+        ),
     ],
 )
 def test_combinations_that_mean_nothing_are_refused_naming_the_keys(overrides, keys) -> None:
