@@ -355,7 +355,7 @@ def run_benchmark(settings: Settings, multipliers: Sequence[float] = (2.0,), eng
         engine = start_test_engine(model, log_path=settings.out_dir / "engine.log", start_timeout_s=900)
         engine_start_s = time.monotonic() - started
     # The first run would otherwise pay this process's torch/transformers imports in its wall time.
-    import rollover.training.policy  # noqa: F401
+    import rollover.training.actor  # noqa: F401
 
     try:
         with agent_environment():

@@ -93,7 +93,7 @@ def run_benchmark(settings: Settings, repeats: int = 1, engine: Any = None) -> l
 
         # The longest answer and its prompt fit; a loaded machine can take minutes to start vLLM.
         engine = start_test_engine(model, log_path=settings.out_dir / "engine.log", start_timeout_s=900)
-    import rollover.training.policy  # noqa: F401  (imports not paid inside the first run)
+    import rollover.training.actor  # noqa: F401  (imports not paid inside the first run)
 
     window = 2 * settings.batch
     pairs = []

@@ -74,7 +74,8 @@ def rank_main(args: argparse.Namespace) -> None:
 
     from rollover.config import load_config
     from rollover.distributed.world import World
-    from rollover.training.policy import Policy
+    from rollover.training.actor import Actor
+    from rollover.training.update_settings import ActorSettings
 
     world = World.from_env()
     config = load_config(
@@ -88,7 +89,7 @@ def rank_main(args: argparse.Namespace) -> None:
     )
     device = world.device(config.trainer.device)
     world.init_process_group(device, timeout_s=config.trainer.nccl_timeout)
-    policy = Policy(args.model, config, world)
+    policy = Actor.load(args.model, ActorSettings.from_config(config), world)
     batch = synthetic_batch(args.samples, args.length, len(policy.tokenizer))
     samples = batch.samples
     tokens = sum(len(s) for s in samples)

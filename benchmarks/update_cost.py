@@ -53,7 +53,8 @@ class Variant:
         import torch
 
         from rollover.config import load_config
-        from rollover.training.policy import Policy
+        from rollover.training.actor import Actor
+        from rollover.training.update_settings import ActorSettings
 
         config = load_config(
             None,
@@ -66,7 +67,7 @@ class Variant:
             ],
         )
         self.name = name
-        self.policy = Policy(model, config)
+        self.policy = Actor.load(model, ActorSettings.from_config(config))
         self.batch = synthetic_batch(args.samples, args.length, len(self.policy.tokenizer))
         with torch.no_grad():  # μ = the model's own logprobs: bypass and recomputed π_old agree
             for sample in self.batch.samples:

@@ -161,7 +161,7 @@ def run_benchmark(
         from rollover.testing.engine import start_test_engine
 
         engine = start_test_engine(model, log_path=out_dir / "engine.log", start_timeout_s=900)
-    import rollover.training.policy  # noqa: F401  (the first run would pay the imports)
+    import rollover.training.actor  # noqa: F401  (the first run would pay the imports)
 
     results = []
     try:

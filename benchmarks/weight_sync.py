@@ -99,10 +99,11 @@ def bench_lora(label: str, model_dir: Path, work: Path, repeats: int, dtype: str
     loaded by a LoRA-enabled engine under a new name, the previous one unloaded."""
     from rollover.config import load_config
     from rollover.engine.weight_sync import EngineAdapterSync
-    from rollover.training.policy import Policy
+    from rollover.training.actor import Actor
+    from rollover.training.update_settings import ActorSettings
 
     config = load_config(None, ["trainer.device=cpu", f"actor_rollout_ref.model.lora_rank={rank}"])
-    policy = Policy(model_dir, config)
+    policy = Actor.load(model_dir, ActorSettings.from_config(config))
     n_adapter = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
     engine = VLLMEngine(
         model_dir,
@@ -157,11 +158,12 @@ def peak_memory_mb(model_dir: str, lora_rank: int) -> float:
     import resource
 
     from rollover.config import load_config
-    from rollover.training.policy import Policy
+    from rollover.training.actor import Actor
     from rollover.training.samples import RolloutScore, Sample, UpdateBatch
+    from rollover.training.update_settings import ActorSettings
 
     config = load_config(None, [f"actor_rollout_ref.model.lora_rank={lora_rank}", "actor_rollout_ref.rollout.n=2"])
-    policy = Policy(model_dir, config)
+    policy = Actor.load(model_dir, ActorSettings.from_config(config))
     rng = random.Random(0)
     vocab = len(policy.tokenizer)
     samples = []

@@ -24,12 +24,12 @@ if TYPE_CHECKING:
 
 class Followers(Protocol):
     """The other trainer ranks, as rank 0 drives them (`rollover.ranks.commands.Leader`): told
-    where the run is, then of every collective step of the trainer's policy and weight sync."""
+    where the run is, then of every collective step of the trainer's actor and weight sync."""
 
     def hello(self, model_path: str, run_dir: str, gateway_url: str, admin_key: str, policy_version: int) -> None: ...
 
-    def lead(self, policy: Any, weight_sync: Any) -> tuple[Any, Any]:
-        """The trainer's policy and weight sync, each call first announced to the other ranks."""
+    def lead(self, actor: Any, weight_sync: Any) -> tuple[Any, Any]:
+        """The trainer's actor and weight sync, each call first announced to the other ranks."""
         ...
 
     def barrier(self) -> None: ...
@@ -140,18 +140,21 @@ async def _run(
 ) -> int:
     from rollover.controller import Controller
     from rollover.engine.pool import node_engines, register_all, wait_all_ready
+    from rollover.engine.settings import EngineSettings
     from rollover.engine.watchdog import EngineWatchdog
     from rollover.engine.weight_sync import engine_weight_sync
     from rollover.gateway.client import GatewayClient
     from rollover.gateway.server import GatewayDied, GatewayProcess, GatewayWatchdog
     from rollover.metrics import MetricsLogger
     from rollover.metrics.console import LiveConsole, RunSummary
+    from rollover.training.actor import Actor
     from rollover.training.data import read_tasks
-    from rollover.training.policy import Policy
     from rollover.training.settings import TrainerSettings
     from rollover.training.trainer import Trainer
+    from rollover.training.update_settings import ActorSettings
 
     trainer_settings = TrainerSettings.from_config(config)  # its rules checked before anything starts
+    engine_settings = EngineSettings.from_config(config)
     train_tasks = read_tasks(_required(config.data.train_files, "data.train_files"))
     val_tasks = read_tasks(config.data.val_files) if config.data.val_files else []
     model_path = _required(config.actor_rollout_ref.model.path, "actor_rollout_ref.model.path")
@@ -171,7 +174,9 @@ async def _run(
         GatewaySettings.from_config(config, store=config.gateway.store_path(run_dir)), log_path=run_dir / "gateway.log"
     )
     admin_key = gateway.admin_key
-    engines = [shared_engine] if shared_engine is not None else node_engines(config, model_path, run_dir, world)
+    engines = (
+        [shared_engine] if shared_engine is not None else node_engines(engine_settings, model_path, run_dir, world)
+    )
     started = time.monotonic()
     metrics = MetricsLogger(
         run_dir,
@@ -197,24 +202,26 @@ async def _run(
         if shared_engine is None:
             for engine in engines:
                 engine.start()
-        policy = await asyncio.to_thread(Policy, model_path, config, world)
+        actor = await asyncio.to_thread(Actor.load, model_path, ActorSettings.from_config(config), world)
         if shared_engine is None:
             await wait_all_ready(engines)
         else:
             shared_engine.attach_gateway(gateway.url, admin_key)  # not the previous run's gateway
             await shared_engine.load_weights(model_path, version=0)
         locks = [asyncio.Lock() for _ in engines]
-        weight_sync: Any = engine_weight_sync(config, engines, run_dir / "weights" / f"node{world.node_rank}", locks)
-        trainer_policy: Any = policy
+        weight_sync: Any = engine_weight_sync(
+            engine_settings, engines, run_dir / "weights" / f"node{world.node_rank}", locks
+        )
+        trainer_actor: Any = actor
         if followers is not None:
-            trainer_policy, weight_sync = followers.lead(policy, weight_sync)
+            trainer_actor, weight_sync = followers.lead(actor, weight_sync)
         # Sandboxed agents see neither the run folder nor the store (which may live elsewhere).
         hidden = (run_dir, Path(config.gateway.store_path(run_dir)))
         async with Controller(config, client, log_dir=run_dir / "agent_logs", hidden_paths=hidden) as controller:
             trainer = Trainer(
                 settings=trainer_settings,
                 client=client,
-                actor=trainer_policy,
+                actor=trainer_actor,
                 weight_sync=weight_sync,
                 train_tasks=train_tasks,
                 val_tasks=val_tasks,
@@ -223,13 +230,13 @@ async def _run(
                 world_size=world.size,
             )
             if live is not None:
-                trainer.progress = policy.progress = live
+                trainer.progress = actor.progress = live
             if followers is not None:
                 # Every node's engines serve, and the other ranks now take commands: before the
                 # restore, whose LoadTrainingState they must be listening for.
                 await asyncio.to_thread(followers.barrier)
             if checkpoint is not None:
-                _restore(trainer, trainer_policy, checkpoint)
+                _restore(trainer, trainer_actor, checkpoint)
                 stranded = await trainer.reconcile_after_restart()
                 print(
                     f"resumed {checkpoint.name}: step {trainer.global_step}, aborted {stranded} stranded rollouts",
@@ -239,8 +246,8 @@ async def _run(
             if config.actor_rollout_ref.model.lora:
                 # The engines serve the policy's adapter from the first call: a fresh one (the
                 # base's answers), lora_adapter_path's, or a resumed run's.
-                await weight_sync.sync(trainer_policy, trainer.policy_version)
-            max_restarts = config.actor_rollout_ref.rollout.max_engine_restarts
+                await weight_sync.sync(trainer_actor, trainer.policy_version)
+            max_restarts = engine_settings.max_restarts
             watchdogs = [
                 EngineWatchdog(engine, lock, max_restarts=max_restarts).run() for engine, lock in zip(engines, locks)
             ]
@@ -296,18 +303,18 @@ def _checkpoint_version(checkpoint: Path | None) -> int:
     return int(json.loads((checkpoint / "trainer_state.json").read_text())["policy_version"])
 
 
-def _restore(trainer: Any, policy: Any, checkpoint: Path) -> None:
+def _restore(trainer: Any, actor: Any, checkpoint: Path) -> None:
     """The trainer's state, then the model and optimizer: sharded (any number of ranks), or
-    an older run's `optimizer.pt` (its model is the folder the policy was loaded from)."""
+    an older run's `optimizer.pt` (its model is the folder the actor was loaded from)."""
     from rollover.training.checkpoint import TRAINING_STATE
 
     trainer.load_state_dict(json.loads((checkpoint / "trainer_state.json").read_text()))
     if (checkpoint / TRAINING_STATE).is_dir():
-        policy.load_training_state(checkpoint / TRAINING_STATE)
+        actor.load_training_state(checkpoint / TRAINING_STATE)
         return
     optimizer_state = checkpoint / "optimizer.pt"
     if optimizer_state.is_file():
         import torch
 
         # load_state_dict moves the state onto each parameter's device.
-        policy.optimizer.load_state_dict(torch.load(optimizer_state, map_location="cpu"))
+        actor.optimizer.load_state_dict(torch.load(optimizer_state, map_location="cpu"))

@@ -132,3 +132,21 @@ def test_gateway_clients_import_no_web_server(module: str) -> None:
     probe = f"import sys, {module}; print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]", f"importing {module} loads {loaded}"
+
+
+# Each part gets a frozen settings object built once from the config; only the module that
+# builds it sees the whole config (the controller and the gateway are on their way there).
+SETTINGS_MODULES = {
+    "training": {"settings.py", "update_settings.py"},
+    "engine": {"settings.py"},
+}
+
+
+@pytest.mark.parametrize("part", sorted(SETTINGS_MODULES))
+def test_only_a_parts_settings_module_reads_the_whole_config(part: str) -> None:
+    readers = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in (PACKAGE / part).rglob("*.py")
+        if path.name not in SETTINGS_MODULES[part] and "RolloverConfig" in path.read_text()
+    )
+    assert not readers, f"these read the whole config instead of their part's settings: {readers}"

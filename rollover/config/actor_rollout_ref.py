@@ -268,14 +268,34 @@ class OptimConfig(Section):
         return self.warmup_style or self.lr_scheduler_type
 
 
-PolicyLossMode = Literal["vanilla", "per_rollout_mean"]
+PolicyLossMode = Literal[
+    "vanilla", "per_rollout_mean", "gspo", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean"
+]
 
 
 class PolicyLossConfig(Section):
     loss_mode: PolicyLossMode = Field(
         default="per_rollout_mean",
-        description="per_rollout_mean (Agent Lightning's default) = each rollout weighs the same, its tokens averaged over all its samples; vanilla = verl's: aggregated by loss_agg_mode",
+        description="the policy loss, verl's names: vanilla (PPO clip) | gspo | cispo | sapo | gpg | clip_cov | kl_cov | geo_mean, or Agent Lightning's per_rollout_mean (the default: vanilla's loss, each rollout weighing the same, its tokens averaged over all its samples)",
     )
+    clip_cov_ratio: float = Field(
+        default=0.0002, gt=0, le=1, description="clip_cov: the share of tokens whose gradient is cut"
+    )
+    clip_cov_lb: float = Field(default=1.0, description="clip_cov: a cut token's covariance is above this")
+    clip_cov_ub: float = Field(default=5.0, description="clip_cov: a cut token's covariance is below this")
+    kl_cov_ratio: float = Field(
+        default=0.0002, gt=0, le=1, description="kl_cov: the share of tokens (largest covariance) given the KL penalty"
+    )
+    ppo_kl_coef: float = Field(default=0.1, ge=0, description="kl_cov: the penalty's coefficient on |log ratio|")
+
+    @model_validator(mode="after")
+    def _cov_bounds_ordered(self) -> PolicyLossConfig:
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(
+                "actor_rollout_ref.actor.policy_loss.clip_cov_lb must be below clip_cov_ub "
+                f"(got {self.clip_cov_lb} and {self.clip_cov_ub})"
+            )
+        return self
 
 
 class FSDPConfig(Section):
@@ -326,6 +346,8 @@ class ActorConfig(Section):
         default=None, gt=0, description="the ratio's upper clip 1 + high (DAPO's clip-higher); null = clip_ratio"
     )
     clip_ratio_c: float = Field(default=3.0, gt=1, description="dual-clip constant")
+    tau_pos: float = Field(default=1.0, gt=0, description="sapo: the gate's temperature on tokens with A > 0")
+    tau_neg: float = Field(default=1.05, gt=0, description="sapo: the gate's temperature on tokens with A <= 0")
     loss_agg_mode: LossAggMode = Field(
         default="token-mean",
         description="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm, over the whole mini-batch",

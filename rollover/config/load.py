@@ -110,6 +110,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     _check_both_names(given, config)
     for note in no_effect_notes(config):
         log.warning("%s", note)
+    if config.loss.note is not None:
+        log.warning("%s", config.loss.note)
     return config
 
 

@@ -57,6 +57,15 @@ NO_EFFECT: tuple[NoEffect, ...] = (
         "sequence parallelism is not built: each rank holds whole sequences (the same maths, more memory per rank)",
     ),
     NoEffect(
+        "algorithm.rollout_correction.rollout_is",
+        lambda c: (
+            c.algorithm.rollout_correction.bypass_mode
+            and c.algorithm.rollout_correction.loss_type == "ppo_clip"
+            and c.algorithm.rollout_correction.rollout_is is not None
+        ),
+        "with bypass_mode and loss_type=ppo_clip PPO's ratio is π_θ/μ already: verl applies no IS weights (they would count twice)",
+    ),
+    NoEffect(
         "trainer.critic_warmup",
         lambda c: c.trainer.critic_warmup > 0,
         "there is no critic (GRPO/RLOO): the policy updates from the first step",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from rollover.config.actor_rollout_ref import ActorRolloutRefConfig
 from rollover.config.agentlightning import AgentLightningConfig, gateway_address
@@ -13,6 +13,7 @@ from rollover.config.algorithm import AlgorithmConfig
 from rollover.config.base import Section
 from rollover.config.data import DataConfig
 from rollover.config.gateway import GatewayConfig
+from rollover.config.loss_choice import LossChoice, resolve_loss
 from rollover.config.trainer import TrainerConfig
 
 
@@ -31,13 +32,37 @@ class RolloverConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the run: steps, logging, checkpoints")
     resume: bool = Field(default=False, description="continue the run in the run folder from its last checkpoint")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _adopt_agent_lightning_names(cls, data: Any) -> Any:
+        """Agent Lightning's names for Rollover keys win when set (`load_config` refuses a file
+        that sets both names to different values): the input is rewritten before validation,
+        never the validated model."""
+        if not isinstance(data, dict) or not isinstance(data.get("agentlightning"), dict):
+            return data
+        try:
+            agl = AgentLightningConfig.model_validate(data["agentlightning"])
+        except ValidationError:
+            return data  # validation proper reports it, naming the key
+        mapped = agent_lightning_mapped_values(agl)
+        if not mapped:
+            return data
+        adopted = dict(data)
+        for rollover_key, value in mapped.items():
+            section, name = rollover_key.split(".")
+            given = adopted.get(section)
+            if isinstance(given, BaseModel):
+                given = given.model_dump()
+            adopted[section] = {**(given or {}), name: value}
+        return adopted
+
     @model_validator(mode="after")
     def _rules_across_sections(self) -> RolloverConfig:
-        self._adopt_agent_lightning_names()
         self.check_async_window()
         self.check_device_pool()
         self.check_lora()
         self.check_kl_horizon()
+        self.check_update()
         return self
 
     def check_kl_horizon(self) -> None:
@@ -52,6 +77,35 @@ class RolloverConfig(Section):
             raise ValueError(
                 f"algorithm.kl_ctrl.horizon={ctrl.horizon} is too small: with up to {per_update} rollouts per update"
                 f" the adaptive coefficient could turn negative; it must exceed {math.ceil(0.2 * per_update)}"
+            )
+
+    @property
+    def loss(self) -> LossChoice:
+        """The loss an update computes (`loss_choice.resolve_loss`)."""
+        actor, correction = self.actor_rollout_ref.actor, self.algorithm.rollout_correction
+        return resolve_loss(
+            actor.policy_loss.loss_mode, actor.loss_agg_mode, correction.loss_type, correction.bypass_mode
+        )
+
+    def check_update(self) -> None:
+        """The loss keys make one loss, and the estimator has what it needs."""
+        self.loss  # noqa: B018  # raises on a combination that means nothing
+        estimator, n = self.algorithm.adv_estimator, self.actor_rollout_ref.rollout.n
+        if estimator == "grpo_passk" and n < 2:
+            raise ValueError(
+                f"algorithm.adv_estimator=grpo_passk gives the best of each group r_max - r_second: "
+                f"actor_rollout_ref.rollout.n must be at least 2 (got {n})"
+            )
+        correction = self.algorithm.rollout_correction
+        if correction.bypass_mode and correction.rollout_is_batch_normalize and correction.loss_type == "reinforce":
+            raise ValueError(
+                "algorithm.rollout_correction.rollout_is_batch_normalize=true with bypass_mode=true: the IS weights are "
+                "taken per micro-batch there, so their mean would depend on the micro-batching; set one of them false"
+            )
+        if estimator == "optimal_token_baseline" and correction.bypass_mode:
+            raise ValueError(
+                "algorithm.adv_estimator=optimal_token_baseline weighs each token by π_old's Σπ² from the π_old "
+                "forward pass, which algorithm.rollout_correction.bypass_mode=true skips: set one of them otherwise"
             )
 
     @property
@@ -130,14 +184,6 @@ class RolloverConfig(Section):
                 "actor_rollout_ref.model.lora_rank > 0 and agentlightning.async_rollout.partial_rollout "
                 "cannot both be on: a kept request would go on with the previous adapter"
             )
-
-    def _adopt_agent_lightning_names(self) -> None:
-        """Agent Lightning's names for Rollover keys win when set (`load_config` refuses a
-        file that sets both names to different values)."""
-        agl = self.agentlightning
-        for rollover_key, value in agent_lightning_mapped_values(agl).items():
-            section, name = rollover_key.split(".")
-            setattr(getattr(self, section), name, value)
 
     def check_async_window(self) -> None:
         """The seed's rule: an async rollout window is set and larger than the batch."""

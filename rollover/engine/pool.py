@@ -6,24 +6,22 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from rollover.config import RolloverConfig
 from rollover.distributed.world import World
+from rollover.engine.settings import EngineSettings
 from rollover.engine.vllm_engine import VLLMEngine
 
 
-def node_engines(config: RolloverConfig, model_path: str | Path, run_dir: Path, world: World) -> list[VLLMEngine]:
+def node_engines(settings: EngineSettings, model_path: str | Path, run_dir: Path, world: World) -> list[VLLMEngine]:
     """This node's engines, not started. On GPU engine i sees devices
     `[i * tp, (i + 1) * tp)` of the node; on CPU they share the host."""
-    rollout = config.actor_rollout_ref.rollout
-    tp = rollout.tensor_model_parallel_size
-    device = world.device(config.trainer.device).type
+    tp = settings.tensor_parallel_size
+    device = world.device(settings.device).type
     engines = []
-    for index in range(config.engines_per_node):
+    for index in range(settings.engines_per_node):
         name = f"node{world.node_rank}-engine{index}"
-        lora_rank = config.actor_rollout_ref.model.lora_rank
         # LoRA: adapters are loaded and unloaded at runtime, one per policy version.
-        env: dict[str, str] = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora_rank > 0 else {}
-        extra = rollout.vllm_flags(lora_rank)  # enforce_eager among them
+        env: dict[str, str] = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if settings.lora else {}
+        extra = list(settings.flags)
         if tp > 1:
             extra += ["--tensor-parallel-size", str(tp)]
         if device == "cuda":
@@ -31,19 +29,19 @@ def node_engines(config: RolloverConfig, model_path: str | Path, run_dir: Path, 
         engines.append(
             VLLMEngine(
                 model_path,
-                host=rollout.engine_host,
-                served_model_name=config.actor_rollout_ref.model.served_model_name,
-                max_model_len=rollout.max_model_len,
-                dtype=rollout.dtype,
-                kv_cache_space_gb=rollout.kv_cache_space_gb,
-                gpu_memory_utilization=rollout.gpu_memory_utilization if device == "cuda" else None,
+                host=settings.host,
+                served_model_name=settings.served_model_name,
+                max_model_len=settings.max_model_len,
+                dtype=settings.dtype,
+                kv_cache_space_gb=settings.kv_cache_space_gb,
+                gpu_memory_utilization=settings.gpu_memory_utilization if device == "cuda" else None,
                 extra_args=extra,
-                tool_call_parser=rollout.tool_call_parser_setting,
+                tool_call_parser=settings.tool_call_parser,
                 log_path=run_dir / ("engine.log" if index == 0 and world.node_rank == 0 else f"{name}.log"),
-                start_timeout_s=rollout.start_timeout_seconds,
+                start_timeout_s=settings.start_timeout_seconds,
                 device="cuda" if device == "cuda" else "cpu",
                 env=env,
-                keep_requests=config.agentlightning.async_rollout.partial_rollout,
+                keep_requests=settings.keep_requests,
             )
         )
     return engines

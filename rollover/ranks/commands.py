@@ -1,7 +1,7 @@
 """Rank 0 drives the other ranks: every collective step of a run is a command it broadcasts
 and then carries out itself, so all ranks enter each collective in the same order.
 
-`Leader` is rank 0's side of it (`rollover.launch.Followers`); `LeaderPolicy` and
+`Leader` is rank 0's side of it (`rollover.launch.Followers`); `LeaderActor` and
 `LeaderWeightSync` are what rank 0's `Trainer` holds: the trainer's protocols, each call first
 announced to the other ranks.
 """
@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from rollover.distributed.world import COMMAND_TIMEOUT
 from rollover.engine.weight_sync import EngineAdapterSync, EngineWeightSync
-from rollover.training.policy import Policy, UpdatePlan
+from rollover.training.actor import Actor
+from rollover.training.plan import UpdatePlan
 from rollover.training.samples import UpdateBatch
 
 
@@ -96,10 +97,10 @@ class CommandChannel:
         dist.barrier(group=self.group)
 
 
-class LeaderPolicy:
-    """Rank 0's `PolicyLike`: announces each collective, then takes part in it."""
+class LeaderActor:
+    """Rank 0's `ActorLike`: announces each collective, then takes part in it."""
 
-    def __init__(self, local: Policy, channel: CommandChannel) -> None:
+    def __init__(self, local: Actor, channel: CommandChannel) -> None:
         self.local = local
         self.channel = channel
         self.tokenizer = local.tokenizer
@@ -149,9 +150,9 @@ class LeaderWeightSync:
         self.channel.send(BeforeUpdate())
         await self.local.before_update()
 
-    async def sync(self, policy: LeaderPolicy, version: int) -> None:
+    async def sync(self, actor: LeaderActor, version: int) -> None:
         self.channel.send(SyncWeights(version))
-        await self.local.sync(policy, version)  # gathering the weights is announced by SyncWeights
+        await self.local.sync(actor, version)  # gathering the weights is announced by SyncWeights
         await asyncio.to_thread(self.channel.barrier)
 
 
@@ -164,8 +165,8 @@ class Leader:
     def hello(self, model_path: str, run_dir: str, gateway_url: str, admin_key: str, policy_version: int) -> None:
         self.channel.send(Hello(model_path, run_dir, gateway_url, admin_key, policy_version))
 
-    def lead(self, policy: Policy, weight_sync: EngineWeightSync | EngineAdapterSync) -> tuple[Any, Any]:
-        return LeaderPolicy(policy, self.channel), LeaderWeightSync(weight_sync, self.channel)
+    def lead(self, actor: Actor, weight_sync: EngineWeightSync | EngineAdapterSync) -> tuple[Any, Any]:
+        return LeaderActor(actor, self.channel), LeaderWeightSync(weight_sync, self.channel)
 
     def barrier(self) -> None:
         self.channel.barrier()

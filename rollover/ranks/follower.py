@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from rollover.config import RolloverConfig
 from rollover.distributed.world import World
 from rollover.engine.pool import node_engines, register_all, wait_all_ready
+from rollover.engine.settings import EngineSettings
 from rollover.engine.vllm_engine import VLLMEngine
 from rollover.engine.watchdog import EngineWatchdog
 from rollover.engine.weight_sync import engine_weight_sync
@@ -29,7 +30,8 @@ from rollover.ranks.commands import (
     SyncWeights,
     Update,
 )
-from rollover.training.policy import Policy
+from rollover.training.actor import Actor
+from rollover.training.update_settings import ActorSettings
 
 log = logging.getLogger("rollover.ranks")
 T = TypeVar("T")
@@ -66,43 +68,44 @@ def follow(config: RolloverConfig, world: World) -> int:
         return 0
     assert isinstance(hello, Hello), f"expected Hello first, got {hello!r}"
     run_dir = Path(hello.run_dir)
+    engine_settings = EngineSettings.from_config(config)
     owns_engines = world.is_node_leader and world.node_rank > 0  # node 0's are rank 0's
-    engines: list[VLLMEngine] = node_engines(config, hello.model_path, run_dir, world) if owns_engines else []
+    engines: list[VLLMEngine] = node_engines(engine_settings, hello.model_path, run_dir, world) if owns_engines else []
     node = NodeLoop()
     locks = [asyncio.Lock() for _ in engines]  # shared by each engine's watchdog and the weight sync
     watchdogs: list[concurrent.futures.Future[None]] = []
     try:
         for engine in engines:
             engine.start()
-        policy = Policy(hello.model_path, config, world)
+        actor = Actor.load(hello.model_path, ActorSettings.from_config(config), world)
         if engines:
             node.run(wait_all_ready(engines))
             node.run(register_all(engines, hello.gateway_url, hello.admin_key, hello.policy_version))
             for engine, lock in zip(engines, locks):
-                watchdog = EngineWatchdog(
-                    engine, lock, max_restarts=config.actor_rollout_ref.rollout.max_engine_restarts
-                )
+                watchdog = EngineWatchdog(engine, lock, max_restarts=engine_settings.max_restarts)
                 watchdogs.append(asyncio.run_coroutine_threadsafe(watchdog.run(), node.loop))
         channel.barrier()  # every node's engines serve: rank 0 starts rollouts
-        weight_sync = engine_weight_sync(config, engines, run_dir / "weights" / f"node{world.node_rank}", locks)
+        weight_sync = engine_weight_sync(
+            engine_settings, engines, run_dir / "weights" / f"node{world.node_rank}", locks
+        )
         while True:
             _raise_if_an_engine_is_lost(watchdogs)
             command = channel.receive()
             if isinstance(command, Stop):
                 return 0
             if isinstance(command, Update):
-                policy.run_update(command.plan)
+                actor.run_update(command.plan)
             elif isinstance(command, BeforeUpdate):
                 node.run(weight_sync.before_update())
             elif isinstance(command, SyncWeights):
-                node.run(weight_sync.sync(policy, command.version))
+                node.run(weight_sync.sync(actor, command.version))
                 channel.barrier()
             elif isinstance(command, SaveModel):
-                policy.save(command.directory)
+                actor.save(command.directory)
             elif isinstance(command, SaveTrainingState):
-                policy.save_training_state(command.directory)
+                actor.save_training_state(command.directory)
             elif isinstance(command, LoadTrainingState):
-                policy.load_training_state(command.directory)
+                actor.load_training_state(command.directory)
             else:
                 raise RuntimeError(f"rank {world.rank}: unknown command {command!r}")
     finally:

@@ -44,6 +44,21 @@ def token_logprobs(
     return torch.cat(chunks, dim=0)
 
 
+def token_logprobs_and_sum_pi_squared(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_logprobs`` and, for each next-token distribution π (logits over ``temperature``),
+    ``Σ_v π(v)²`` (``[B, L-1]`` both): the collision probability the optimal token baseline
+    weighs tokens by. No gradient is meant to flow (π_old's pass)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    scaled = _scaled(logits, temperature)
+    logprobs = _next_token_logprobs(scaled, input_ids[:, 1:], 1.0)
+    squares = torch.softmax(scaled, dim=-1).square().sum(dim=-1)
+    return logprobs, squares
+
+
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     # float32 keeps the normaliser accurate for bf16 models; a copy only when one is needed.
     scaled = logits.float()

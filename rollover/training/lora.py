@@ -1,4 +1,4 @@
-"""LoRA (verl's `actor_rollout_ref.model.lora_rank` > 0): the policy is a PEFT adapter over
+"""LoRA (verl's `actor_rollout_ref.model.lora_rank` > 0): the actor is a PEFT adapter over
 frozen base weights. Only the adapter is trained, checkpointed and sent to the engines; the
 base never moves, and with the adapter disabled it is the KL reference.
 
@@ -26,8 +26,8 @@ import torch
 
 from rollover.adapter_folder import ADAPTER_WEIGHTS
 from rollover.config import ConfigError
-from rollover.config.actor_rollout_ref import ModelConfig
 from rollover.distributed import sharding
+from rollover.training.update_settings import LoraSettings
 
 SINGLE = "default"  # PEFT's name for a model's only adapter
 
@@ -38,7 +38,7 @@ def adapter_names(policies: Sequence[str]) -> list[str]:
 
 
 def wrap(
-    model: torch.nn.Module, config: ModelConfig, base_path: str | Path, *, seed: int, policies: Sequence[str] = ()
+    model: torch.nn.Module, settings: LoraSettings, base_path: str | Path, *, seed: int, policies: Sequence[str] = ()
 ) -> Any:  # -> PeftModel
     """`model` with a trainable LoRA adapter (the one at `lora_adapter_path`, else a fresh one
     drawn from `seed`, whose B matrices are zero: at first the policy is the base model), base
@@ -46,20 +46,24 @@ def wrap(
     seed), every one trainable."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    if config.lora_adapter_path is not None:
-        wrapped = PeftModel.from_pretrained(model, config.lora_adapter_path, is_trainable=True)
+    if settings.adapter_path is not None:
+        wrapped = PeftModel.from_pretrained(model, settings.adapter_path, is_trainable=True)
         rank = getattr(wrapped.peft_config["default"], "r", None)
-        if rank != config.lora_rank:
+        if rank != settings.rank:
             raise ConfigError(
-                f"config key 'actor_rollout_ref.model.lora_rank': {config.lora_rank} is not the rank of the adapter "
+                f"config key 'actor_rollout_ref.model.lora_rank': {settings.rank} is not the rank of the adapter "
                 f"at actor_rollout_ref.model.lora_adapter_path ({rank}); set it to {rank}"
             )
     else:
         lora = LoraConfig(
-            r=config.lora_rank,
-            lora_alpha=config.lora_alpha,
-            target_modules=config.target_modules,
-            exclude_modules=config.exclude_modules,
+            r=settings.rank,
+            lora_alpha=settings.alpha,
+            target_modules=settings.target_modules
+            if isinstance(settings.target_modules, str)
+            else list(settings.target_modules),
+            exclude_modules=settings.exclude_modules
+            if settings.exclude_modules is None or isinstance(settings.exclude_modules, str)
+            else list(settings.exclude_modules),
             lora_dropout=0.0,  # the trainer's logprobs must be the engine's
             bias="none",
             task_type="CAUSAL_LM",

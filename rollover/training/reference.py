@@ -1,7 +1,7 @@
 """The frozen reference policy π_ref of the KL terms (verl's `actor_rollout_ref.ref`).
 
 The model as it was when the run began, never updated (with LoRA: the policy's own base,
-its adapter disabled, `AdapterOffReference`). `Policy` builds one only when a KL term
+its adapter disabled, `AdapterOffReference`). The `Actor` builds one only when a KL term
 needs it (`use_kl_loss` or `algorithm.use_kl_in_reward`). On several ranks it is sharded like
 the actor (FSDP2); `ref.fsdp_config.param_offload` keeps its weights on the host between
 forward passes (FSDP2's CPU offload on several ranks; on one GPU rank the model moves to the
@@ -17,31 +17,33 @@ from pathlib import Path
 
 import torch
 
-from rollover.config import RolloverConfig
 from rollover.distributed import sharding
 from rollover.distributed.world import World
-from rollover.training.forward import Batching, per_sample_logprobs
+from rollover.training.forward import per_sample_logprobs
 from rollover.training.samples import Sample
+from rollover.training.update_settings import ReferenceSettings
 
 
-class ReferencePolicy:
-    def __init__(self, model_path: str | Path, config: RolloverConfig, world: World, device: torch.device) -> None:
+class Reference:
+    """The reference model, loaded from the run's model folder and frozen."""
+
+    def __init__(self, model_path: str | Path, settings: ReferenceSettings, world: World, device: torch.device) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.config = config
+        self.settings = settings
         self.world = world
         self.device = device
         model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         model.config.use_cache = False  # type: ignore[union-attr]
         model.requires_grad_(False)
         model.eval()
-        offload = config.actor_rollout_ref.ref.fsdp_config.param_offload
+        offload = settings.sharding.offload
         # One rank offloads by moving the model; several let FSDP2 keep the shards on the host.
         self.moves = offload and not world.distributed and device.type != "cpu"
         if world.distributed:
-            fsdp = config.actor_rollout_ref.actor.fsdp_config
-            mixed = fsdp.mixed_precision == "bf16" or (fsdp.mixed_precision == "auto" and device.type == "cuda")
-            model = sharding.shard_model(model.to(device), mixed_precision=mixed, offload=offload)
+            model = sharding.shard_model(
+                model.to(device), mixed_precision=settings.sharding.bf16(device.type), offload=offload
+            )
         elif not self.moves:
             model = model.to(device)
         self.model = model
@@ -61,44 +63,37 @@ class ReferencePolicy:
         """log π_ref of every sample's tokens (target-aligned, on the host), in micro-batches of
         `ref.log_prob_micro_batch_size_per_gpu` (or by token budget), the ranks sharing them."""
         with self._on_device():
-            return _reference_logprobs(
-                self.model, self.config, self.world, self.device, samples, pad_token_id, temperature
-            )
+            return _logprobs(self.model, samples, self.settings, self.world, self.device, pad_token_id, temperature)
 
 
 class AdapterOffReference:
-    """LoRA's π_ref: the policy's own model with its adapter disabled (peft's
+    """LoRA's π_ref: the actor's own model with its adapter disabled (peft's
     `disable_adapter`), i.e. the base the run started from. No second model is held; on
     several ranks the passes run on the actor's shards."""
 
-    def __init__(self, model: torch.nn.Module, config: RolloverConfig, world: World, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, settings: ReferenceSettings, world: World, device: torch.device) -> None:
         self.model = model
-        self.config = config
+        self.settings = settings
         self.world = world
         self.device = device
 
     def logprobs(self, samples: Sequence[Sample], pad_token_id: int, temperature: float) -> list[torch.Tensor]:
-        """log π_ref as `ReferencePolicy.logprobs` computes it, through the base weights alone."""
+        """log π_ref as `Reference.logprobs` computes it, through the base weights alone."""
         with self.model.disable_adapter():  # type: ignore[operator]
-            return _reference_logprobs(
-                self.model, self.config, self.world, self.device, samples, pad_token_id, temperature
-            )
+            return _logprobs(self.model, samples, self.settings, self.world, self.device, pad_token_id, temperature)
 
 
-def _reference_logprobs(
+def _logprobs(
     model: torch.nn.Module,
-    config: RolloverConfig,
+    samples: Sequence[Sample],
+    settings: ReferenceSettings,
     world: World,
     device: torch.device,
-    samples: Sequence[Sample],
     pad_token_id: int,
     temperature: float,
 ) -> list[torch.Tensor]:
-    """log π_ref of every sample's tokens through `model` as it stands, in micro-batches of
-    `ref.log_prob_micro_batch_size_per_gpu` (or by `ref.log_prob_max_token_len_per_gpu` with
-    `log_prob_use_dynamic_bsz`), the ranks sharing them."""
-    ref = config.actor_rollout_ref.ref
-    budget = ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None
+    """log π_ref of every sample through `model` as it stands, in the reference's own
+    micro-batches (`ref.log_prob_*`), the ranks sharing them."""
     return per_sample_logprobs(
         model,
         samples,
@@ -106,5 +101,5 @@ def _reference_logprobs(
         temperature=temperature,
         world=world,
         device=device,
-        batching=Batching(config.ref_logprob_micro_batch_size, budget),
+        batching=settings.batching,
     )

@@ -17,7 +17,8 @@ again in the update but not trained again. A call with several choices (``n`` > 
 ``choice_index`` 1, 2, ...) makes each further choice a sample of its own; the next call extends
 whichever choice it continues. With several policies (triplets' ``policy``) a call extends only a
 sample of its own policy, so each sample trains one policy on its own responses alone. Every
-sample of a rollout carries the rollout's reward (and later its advantage).
+sample of a rollout carries the rollout's reward; its advantages are the update's (`prepare`),
+never written into the sample.
 
 Alignment convention of ``collate`` (important for the trainer):
 
@@ -52,7 +53,6 @@ class Sample:
     behaviour_logprobs: list[float]
     token_versions: list[int]
     reward: float
-    advantage: float = 0.0
     truncated: bool = False  # cut to its token budget (see build_samples)
     policy: str | None = None  # the policy its responses came from (None: the run has one)
 
@@ -246,9 +246,8 @@ def collate(samples: Sequence[Sample], pad_token_id: int) -> dict[str, torch.Ten
     """Right-pad samples into a batch; see the module docstring for the alignment.
 
     Returns ``input_ids`` [B, L] long, ``attention_mask`` [B, L] long, and target-aligned
-    [B, L-1] tensors: ``loss_mask`` float32 (0/1), ``behaviour_logprobs`` float32 (0 on padding),
-    ``advantages`` float32 (the sample's advantage on its loss tokens, 0 elsewhere) and
-    ``token_versions`` long (-1 off the loss mask).
+    [B, L-1] tensors: ``loss_mask`` float32 (0/1), ``behaviour_logprobs`` float32 (0 on padding)
+    and ``token_versions`` long (-1 off the loss mask).
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
@@ -260,17 +259,14 @@ def collate(samples: Sequence[Sample], pad_token_id: int) -> dict[str, torch.Ten
     loss_mask = torch.zeros((batch, length), dtype=torch.float32)
     behaviour = torch.zeros((batch, length), dtype=torch.float32)
     versions = torch.full((batch, length), -1, dtype=torch.long)
-    advantages = torch.zeros((batch, length), dtype=torch.float32)
 
     for row, sample in enumerate(samples):
         n = len(sample)
         input_ids[row, :n] = torch.tensor(sample.input_ids, dtype=torch.long)
         attention_mask[row, :n] = 1
-        mask_row = torch.tensor(sample.loss_mask, dtype=torch.float32)
-        loss_mask[row, :n] = mask_row
+        loss_mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.float32)
         behaviour[row, :n] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
         versions[row, :n] = torch.tensor(sample.token_versions, dtype=torch.long)
-        advantages[row, :n] = mask_row * sample.advantage
 
     # Column t of a target-aligned tensor describes input_ids[:, t+1].
     return {
@@ -278,6 +274,5 @@ def collate(samples: Sequence[Sample], pad_token_id: int) -> dict[str, torch.Ten
         "attention_mask": attention_mask,
         "loss_mask": loss_mask[:, 1:].contiguous(),
         "behaviour_logprobs": behaviour[:, 1:].contiguous(),
-        "advantages": advantages[:, 1:].contiguous(),
         "token_versions": versions[:, 1:].contiguous(),
     }

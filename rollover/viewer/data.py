@@ -346,12 +346,12 @@ def _trained_reward(rollout: Rollout, reward: float | None, config: RolloverConf
 
 def _attach_advantages(rows: list[dict[str, Any]], config: RolloverConfig) -> None:
     """The advantage the trainer computes for each complete training group (the trainer's own
-    `compute_advantages`, before any KL in the reward); none for groups still running or cut
-    short by an abort. With `algorithm.filter_groups` on, a group whose members all scored
-    alike is marked `filtered` (the trainer's own rule, `has_signal`): it was not trained on."""
-    import torch
-
-    from rollover.training.advantages import compute_advantages
+    `outcome_advantages`, before any KL in the reward, one rollout a unit); none for groups
+    still running or cut short by an abort, nor under the estimators whose advantages are per
+    token (REINFORCE++, the optimal token baseline). With `algorithm.filter_groups` on, a group
+    whose members all scored alike is marked `filtered` (the trainer's own rule, `has_signal`):
+    it was not trained on."""
+    from rollover.training.advantages import OUTCOME_ESTIMATORS, GroupKey, Unit, UnitScore, outcome_advantages
     from rollover.training.manager import has_signal
 
     groups: dict[str, list[dict[str, Any]]] = {}
@@ -364,17 +364,18 @@ def _attach_advantages(rows: list[dict[str, Any]], config: RolloverConfig) -> No
         return
     fill = config.algorithm.reward_fillna_value
     rewards = [fill if r["state"] == RolloutState.FAILED.value or r["reward"] is None else r["reward"] for r in members]
-    advantages = compute_advantages(
-        torch.tensor(rewards, dtype=torch.float32),
-        [r["group"] for r in members],
-        config.algorithm.adv_estimator,
-        norm_by_std=config.algorithm.norm_adv_by_std_in_grpo,
+    estimator = config.algorithm.adv_estimator
+    units = [UnitScore(Unit(r["rollout_id"]), GroupKey(r["group"]), reward) for r, reward in zip(members, rewards)]
+    advantages: list[float | None] = (
+        list(outcome_advantages(units, estimator, norm_by_std=config.algorithm.norm_adv_by_std_in_grpo))
+        if estimator in OUTCOME_ESTIMATORS
+        else [None] * len(members)
     )
     by_group: dict[str, list[float]] = {}
     for row, reward in zip(members, rewards):
         by_group.setdefault(row["group"], []).append(reward)
     filters = config.algorithm.filter_groups
-    for row, advantage in zip(members, advantages.tolist()):
+    for row, advantage in zip(members, advantages):
         scores = by_group[row["group"]]
         if filters.enable and not has_signal([float(x > 0) for x in scores] if filters.metric == "acc" else scores):
             row["filtered"] = True

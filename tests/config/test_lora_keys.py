@@ -9,6 +9,7 @@ import pytest
 from rollover.config import ConfigError, load_config
 from rollover.distributed.world import World
 from rollover.engine.pool import node_engines
+from rollover.engine.settings import EngineSettings
 from rollover.modelzoo.chat_template import chatml_template
 
 MODEL = "actor_rollout_ref.model"
@@ -20,7 +21,7 @@ def engine(tmp_path: Path, *overrides: str):  # -> VLLMEngine
     model.mkdir(exist_ok=True)
     (model / "chat_template.jinja").write_text(chatml_template())
     config = load_config(None, ["trainer.device=cpu", *overrides])
-    [built] = node_engines(config, model, tmp_path, World())
+    [built] = node_engines(EngineSettings.from_config(config), model, tmp_path, World())
     return built
 
 

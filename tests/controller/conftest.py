@@ -2,10 +2,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +139,46 @@ def assert_group_gone(pgid: int) -> None:
     except ProcessLookupError:
         return
     # Only zombies left (init reaps orphans lazily): nothing is running.
+
+
+@contextmanager
+def cli_controller_with_an_agent(
+    gateway: GatewayThread, pid_file: Path, **popen: Any
+) -> Iterator[tuple[subprocess.Popen[bytes], str, list[int]]]:
+    """`rollover controller` (`cli_controller`, unsandboxed) as a process of its own, running one
+    `SleepAgent` rollout: yields the process, the rollout id and the agent's pids (its
+    `pid_file`), once the agent runs. On exit the process is killed if it still runs (its
+    session too with `start_new_session`), and the rollout is marked failed so no other test's
+    controller picks it up."""
+    import httpx
+
+    rollout_id = new_id(pid_file.stem)
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    httpx.post(
+        f"{gateway.url}/api/rollouts",
+        json=[{"rollout_id": rollout_id, "input": {"pid_file": str(pid_file)}}],
+        headers=headers,
+    ).raise_for_status()
+    command = cli_controller(gateway.url, "tests.controller.agents:SleepAgent", "agentlightning.local.sandbox=false")
+    process = subprocess.Popen(command, **{"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, **popen})
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists():
+            output = process.stdout.read().decode() if process.poll() is not None and process.stdout else ""
+            assert process.poll() is None, f"the controller exited: {output}"
+            assert time.monotonic() < deadline, "the agent never started"
+            time.sleep(0.05)
+        time.sleep(0.1)
+        yield process, rollout_id, [int(p) for p in pid_file.read_text().split()]
+    finally:
+        if process.poll() is None:
+            if popen.get("start_new_session"):
+                os.killpg(process.pid, 9)
+            else:
+                process.kill()
+            process.wait()
+        httpx.patch(
+            f"{gateway.url}/api/rollouts/{rollout_id}",
+            json={"status": {"state": "failed", "error_message": "aborted: test over"}},
+            headers=headers,
+        )

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -19,10 +18,9 @@ from rollover.gateway.client import GatewayClient
 from rollover.gateway.server import GatewayThread
 from rollover.processes import child_pids
 from rollover.store.models import RolloutCreate, RolloutState
-from tests.conftest import ADMIN_KEY
 from tests.controller.conftest import (
     alive,
-    cli_controller,
+    cli_controller_with_an_agent,
     make_config,
     new_id,
     read_pids,
@@ -77,28 +75,7 @@ async def test_a_dead_fork_server_fails_its_agents_and_is_restarted(client: Gate
 
 @pytest.mark.slow
 def test_kill_9_of_the_controller_takes_the_fork_server_and_agents_down(gateway: GatewayThread, tmp_path: Path) -> None:
-    import httpx
-
-    pid_file = tmp_path / "orphan.pids"
-    rollout_id = new_id("orphan")
-    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    httpx.post(
-        f"{gateway.url}/api/rollouts",
-        json=[{"rollout_id": rollout_id, "input": {"pid_file": str(pid_file)}}],
-        headers=headers,
-    ).raise_for_status()
-    process = subprocess.Popen(
-        cli_controller(gateway.url, f"{AGENTS}:SleepAgent", "agentlightning.local.sandbox=false"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while not pid_file.exists():
-            assert process.poll() is None and time.monotonic() < deadline, "the agent never started"
-            time.sleep(0.05)
-        time.sleep(0.1)
-        agents = [int(p) for p in pid_file.read_text().split()]
+    with cli_controller_with_an_agent(gateway, tmp_path / "orphan.pids") as (process, _, agents):
         servers = fork_servers_of(process.pid)
         assert len(servers) == 1
         process.kill()
@@ -107,15 +84,6 @@ def test_kill_9_of_the_controller_takes_the_fork_server_and_agents_down(gateway:
         while any(alive(pid) for pid in servers + agents):
             assert time.monotonic() < deadline, f"left running: {[p for p in servers + agents if alive(p)]}"
             time.sleep(0.05)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    httpx.patch(
-        f"{gateway.url}/api/rollouts/{rollout_id}",
-        json={"status": {"state": "failed", "error_message": "aborted: test over"}},
-        headers=headers,
-    )
 
 
 async def test_an_agent_whose_launch_was_called_off_does_not_live_on(tmp_path: Path) -> None:

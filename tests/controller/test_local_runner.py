@@ -27,7 +27,7 @@ from tests.controller.conftest import (
     HandClock,
     alive,
     assert_group_gone,
-    cli_controller,
+    cli_controller_with_an_agent,
     make_config,
     new_id,
     read_pids,
@@ -340,42 +340,17 @@ async def test_controller_rides_out_a_gateway_that_starts_late(
 def test_cli_controller_stops_its_agents_on_sigterm(gateway: GatewayThread, tmp_path: Path) -> None:
     import httpx
 
-    pid_file = tmp_path / "cli.pids"
-    rollout_id = new_id("cli")
-    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    httpx.post(
-        f"{gateway.url}/api/rollouts",
-        json=[{"rollout_id": rollout_id, "input": {"pid_file": str(pid_file)}}],
-        headers=headers,
-    ).raise_for_status()
-    process = subprocess.Popen(
-        cli_controller(gateway.url, f"{AGENTS}:SleepAgent", "agentlightning.local.sandbox=false"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    run = cli_controller_with_an_agent(
+        gateway, tmp_path / "cli.pids", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
-    try:
-        deadline = time.monotonic() + 30
-        while not pid_file.exists():
-            assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
-            assert time.monotonic() < deadline, "the agent never started"
-            time.sleep(0.05)
-        time.sleep(0.1)
-        pids = [int(p) for p in pid_file.read_text().split()]
+    with run as (process, rollout_id, pids):
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=20) == 0, process.stdout.read().decode() if process.stdout else ""
         assert not any(alive(pid) for pid in pids)
-        rollout = httpx.get(f"{gateway.url}/api/rollouts/{rollout_id}", headers=headers).json()
+        rollout = httpx.get(
+            f"{gateway.url}/api/rollouts/{rollout_id}", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+        ).json()
         assert rollout["status"]["state"] == "queuing"
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    httpx.patch(
-        f"{gateway.url}/api/rollouts/{rollout_id}",
-        json={"status": {"state": "failed", "error_message": "aborted: test over"}},
-        headers=headers,
-    )
 
 
 def test_cli_rejects_a_bad_agent_class(gateway: GatewayThread) -> None:

@@ -22,7 +22,8 @@ import torch
 
 from rollover.config import load_config
 from rollover.distributed.world import World
-from rollover.training.policy import Policy
+from rollover.training.actor import Actor
+from rollover.training.update_settings import ActorSettings
 from tests.distributed.update_worker import OVERRIDES, first_moments
 
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"]
@@ -33,7 +34,11 @@ def main(model_dir: str, work_dir: str, action: str, checkpoint: str | None = No
     world = World.from_env()
     world.init_process_group(torch.device("cpu"), timeout_s=600)
     work = Path(work_dir)
-    policy = Policy(model_dir, load_config(None, [*OVERRIDES, *LORA, *(ROLES if action == "roles" else [])]), world)
+    policy = Actor.load(
+        model_dir,
+        ActorSettings.from_config(load_config(None, [*OVERRIDES, *LORA, *(ROLES if action == "roles" else [])])),
+        world,
+    )
     if action in ("update", "roles"):
         batch, seed = pickle.loads((work / "samples.pkl").read_bytes())
         if action == "roles":

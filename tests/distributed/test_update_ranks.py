@@ -159,6 +159,29 @@ MODES = {
         "algorithm.rollout_correction.rollout_is=null",
     ],
 }
+LOSS = "actor_rollout_ref.actor.policy_loss"
+# verl's other policy losses and advantage estimators (issue 32): each one rank's step on two.
+NEW_MODES = {
+    "gspo": [f"{LOSS}.loss_mode=gspo"],
+    "cispo": [f"{LOSS}.loss_mode=cispo"],
+    "sapo": [f"{LOSS}.loss_mode=sapo"],
+    "gpg-loss": [f"{LOSS}.loss_mode=gpg"],
+    # wide enough a band and share that the cut and the penalty land on tokens of both ranks
+    "clip_cov": [f"{LOSS}.loss_mode=clip_cov", f"{LOSS}.clip_cov_ratio=0.3", f"{LOSS}.clip_cov_lb=-10"],
+    "kl_cov": [f"{LOSS}.loss_mode=kl_cov", f"{LOSS}.kl_cov_ratio=0.3", f"{LOSS}.ppo_kl_coef=1.0"],
+    "geo_mean": [f"{LOSS}.loss_mode=geo_mean"],
+    "reinforce_plus_plus": ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.use_kl_in_reward=true"],
+    "reinforce_plus_plus_baseline": ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
+    "opo": ["algorithm.adv_estimator=opo"],
+    "grpo_passk": ["algorithm.adv_estimator=grpo_passk"],
+    "gpg-advantage": ["algorithm.adv_estimator=gpg"],
+    "optimal_token_baseline": ["algorithm.adv_estimator=optimal_token_baseline"],
+    "head-rejection": [
+        "algorithm.rollout_correction.rollout_rs='token_k1,seq_mean_k3'",
+        "algorithm.rollout_correction.rollout_rs_threshold='0.01_100,2.5'",
+    ],
+}
+MODES |= NEW_MODES
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +209,7 @@ def test_every_loss_mode_takes_the_same_step_on_two_ranks(mode_updates, model_di
 
 
 def test_the_modes_take_different_steps(mode_updates):
-    """The modes are not one update under eight names."""
+    """The modes are not one update under many names."""
     weights = {mode: torch.load(mode_updates[1] / f"{mode}.pt") for mode in MODES}
     for mode in MODES:
         if mode != "token-mean" and mode != "dynamic-bsz":

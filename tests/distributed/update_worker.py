@@ -24,7 +24,8 @@ import torch
 from rollover.config import load_config
 from rollover.distributed.sharding import full_tensor
 from rollover.distributed.world import World
-from rollover.training.policy import Policy
+from rollover.training.actor import Actor
+from rollover.training.update_settings import ActorSettings
 
 OVERRIDES = [
     "trainer.device=cpu",
@@ -38,7 +39,7 @@ OVERRIDES = [
 ]
 
 
-def first_moments(policy: Policy) -> dict[str, torch.Tensor]:
+def first_moments(policy: Actor) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in policy.model.named_parameters()}
     return {
         names[id(p)]: full_tensor(state["exp_avg"]).detach().cpu()
@@ -55,7 +56,7 @@ def main(model_dir: str, work_dir: str, action: str, checkpoint: str | None = No
         policy_modes(model_dir, work, world)
         world.shutdown()
         return
-    policy = Policy(model_dir, load_config(None, OVERRIDES), world)
+    policy = Actor.load(model_dir, ActorSettings.from_config(load_config(None, OVERRIDES)), world)
     if action == "update":
         batch, seed = pickle.loads((work / "samples.pkl").read_bytes())
         metrics = policy.run_update(policy.plan(batch, random.Random(seed), lr=1e-3))
@@ -77,7 +78,7 @@ def main(model_dir: str, work_dir: str, action: str, checkpoint: str | None = No
 def policy_modes(model_dir: str, work: Path, world: World) -> None:
     batch, seed = pickle.loads((work / "samples.pkl").read_bytes())
     for name, overrides in json.loads((work / "modes.json").read_text()):
-        policy = Policy(model_dir, load_config(None, [*OVERRIDES, *overrides]), world)
+        policy = Actor.load(model_dir, ActorSettings.from_config(load_config(None, [*OVERRIDES, *overrides])), world)
         metrics = policy.run_update(policy.plan(batch, random.Random(seed), lr=1e-3, kl_coef=0.05))
         weights = policy.full_state_dict(keep=world.is_leader)
         if world.is_leader:

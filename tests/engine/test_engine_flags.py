@@ -13,6 +13,7 @@ import pytest
 from rollover.config import load_config
 from rollover.distributed.world import World
 from rollover.engine.pool import node_engines
+from rollover.engine.settings import EngineSettings
 from rollover.modelzoo.chat_template import chatml_template
 
 ROLLOUT = "actor_rollout_ref.rollout"
@@ -23,7 +24,7 @@ def engine_argv(tmp_path: Path, *overrides: str) -> list[str]:
     model.mkdir(exist_ok=True)
     (model / "chat_template.jinja").write_text(chatml_template())
     config = load_config(None, ["trainer.device=cpu", *overrides])
-    [engine] = node_engines(config, model, tmp_path, World())
+    [engine] = node_engines(EngineSettings.from_config(config), model, tmp_path, World())
     return engine.command()
 
 

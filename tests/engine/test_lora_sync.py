@@ -23,7 +23,8 @@ from rollover.gateway.keys import scoped_key
 from rollover.gateway.server import GatewayThread
 from rollover.testing.engine import start_test_engine
 from rollover.training import lora
-from rollover.training.policy import Policy
+from rollover.training.actor import Actor
+from rollover.training.update_settings import ActorSettings
 from tests.conftest import ADMIN_KEY
 from tests.engine.test_token_fidelity import PROMPTS
 
@@ -56,7 +57,7 @@ def lora_engine(calc_model, config, tmp_path_factory):
         engine.stop()
 
 
-def perturb_adapter(policy: Policy, seed: int, adapter: str = lora.SINGLE) -> None:
+def perturb_adapter(policy: Actor, seed: int, adapter: str = lora.SINGLE) -> None:
     """An update's worth of change to `adapter`, large enough to change greedy answers."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -97,7 +98,7 @@ def max_logprob_gap(engine: VLLMEngine, model: torch.nn.Module, served_name: str
 
 
 def test_only_the_adapter_moves_and_the_engine_serves_it(lora_engine, calc_model, config, tmp_path):
-    policy = Policy(calc_model, config)
+    policy = Actor.load(calc_model, ActorSettings.from_config(config))
     sync = EngineAdapterSync([lora_engine], tmp_path / "adapters")
     base_answer = greedy(lora_engine, lora_engine.served_model_name)
     served_before = served(lora_engine)
@@ -130,7 +131,7 @@ def test_only_the_adapter_moves_and_the_engine_serves_it(lora_engine, calc_model
 
 
 async def test_the_gateway_sends_every_call_to_the_current_adapter(lora_engine, calc_model, config, tmp_path):
-    policy = Policy(calc_model, config)
+    policy = Actor.load(calc_model, ActorSettings.from_config(config))
     perturb_adapter(policy, seed=11)
     sync = EngineAdapterSync([lora_engine], tmp_path / "adapters")
     with GatewayThread(admin_key=ADMIN_KEY) as gateway:
@@ -161,7 +162,7 @@ async def test_the_gateway_sends_every_call_to_the_current_adapter(lora_engine, 
 
 
 def test_a_restarted_engine_serves_the_adapter_it_served(lora_engine, calc_model, config, tmp_path):
-    policy = Policy(calc_model, config)
+    policy = Actor.load(calc_model, ActorSettings.from_config(config))
     perturb_adapter(policy, seed=21)
     asyncio.run(EngineAdapterSync([lora_engine], tmp_path / "adapters").sync(policy, 9))
     answer = greedy(lora_engine, "policy-v9")
@@ -220,16 +221,18 @@ def gateway_call(gateway_url: str, admin: httpx.Client, model: str) -> tuple[htt
 
 
 async def test_two_policies_are_served_by_one_engine_and_picked_by_model(lora_engine, calc_model, tmp_path):
-    policy = Policy(
+    policy = Actor.load(
         calc_model,
-        load_config(
-            None,
-            [
-                "trainer.device=cpu",
-                f"actor_rollout_ref.model.lora_rank={RANK}",
-                "actor_rollout_ref.rollout.max_loras=2",
-                *ROLES,
-            ],
+        ActorSettings.from_config(
+            load_config(
+                None,
+                [
+                    "trainer.device=cpu",
+                    f"actor_rollout_ref.model.lora_rank={RANK}",
+                    "actor_rollout_ref.rollout.max_loras=2",
+                    *ROLES,
+                ],
+            )
         ),
     )
     for seed, name in ((31, "planner"), (32, "solver")):

@@ -184,6 +184,16 @@ class Crossed:
     k: int  # the response token where the version changes
 
 
+def wait_relayed(relayed: threading.Event, call: InThread, timeout: float = 120) -> None:
+    """Until the agent has been relayed tokens of its call: the engine generated them, so a
+    weight load from now on cuts the call after its first tokens, however busy the machine."""
+    deadline = time.monotonic() + timeout
+    while not relayed.wait(0.02):
+        if not call.is_alive():
+            raise AssertionError(f"the call ended before any token was relayed: {call.error or call.result}")
+        assert time.monotonic() < deadline, "no token of the call was relayed"
+
+
 @asynccontextmanager
 async def across_a_load(
     engine: VLLMEngine,
@@ -192,10 +202,13 @@ async def across_a_load(
     request: Callable[[openai.OpenAI], Any],
     tokens: int = 20,
     mode: str = "train",
+    relayed: threading.Event | None = None,
 ) -> AsyncIterator[Crossed]:
     """`request` made by an agent behind a partial-rollout gateway; once the engine has generated
-    `tokens` tokens, the new weights are loaded (the engine keeping its requests). The body runs
-    with the new weights still in; the original ones are loaded back after it."""
+    `tokens` tokens (and, for a streamed `request` that sets `relayed` at its first token, once
+    the gateway has relayed tokens of the call), the new weights are loaded (the engine keeping
+    its requests). The body runs with the new weights still in; the original ones are loaded
+    back after it."""
     await engine.load_weights(original)  # whatever an earlier test left
     with GatewayThread(SETTINGS, admin_key=ADMIN_KEY) as gateway, keeping_requests(engine, gateway), busy(engine):
         await engine.register_with_gateway(gateway.url, ADMIN_KEY)
@@ -208,6 +221,8 @@ async def across_a_load(
         call.start()
         try:
             in_flight(admin, call)
+            if relayed is not None:
+                wait_relayed(relayed, call)
             wait_generated(engine, generated_tokens(engine), tokens * (BUSY + 1), call)
             assert await engine.load_weights(new_weights) == version + 1
             reply = call.value()
@@ -255,12 +270,23 @@ async def test_a_call_across_a_weight_load_is_continued_with_the_new_weights(vll
 async def test_after_the_load_the_tokens_are_the_new_weights_greedy_continuation(
     vllm_engine, tiny_model_dir, perturbed
 ):
-    def request(client: openai.OpenAI) -> Any:
-        return client.completions.create(
-            model="policy", prompt="The north door", max_tokens=LONG, extra_body={"ignore_eos": True}
-        )
+    """The agent streams, so the load waits until the gateway has relayed tokens of the call:
+    the load always lands after the call's first token (it once landed before it on a busy
+    machine, when the call was still queued behind the other sequences)."""
+    relayed = threading.Event()
 
-    async with across_a_load(vllm_engine, tiny_model_dir, perturbed[1], request) as crossed:
+    def request(client: openai.OpenAI) -> list[Any]:
+        chunks = []
+        stream = client.completions.create(
+            model="policy", prompt="The north door", max_tokens=LONG, stream=True, extra_body={"ignore_eos": True}
+        )
+        for chunk in stream:
+            chunks.append(chunk)
+            if any(c.text or (c.model_extra or {}).get("token_ids") for c in chunk.choices):
+                relayed.set()
+        return chunks
+
+    async with across_a_load(vllm_engine, tiny_model_dir, perturbed[1], request, relayed=relayed) as crossed:
         ids, prompt, k = crossed.record["response_token_ids"], crossed.record["prompt_token_ids"], crossed.k
         fresh = httpx.post(
             f"{vllm_engine.base_url}/completions",
@@ -269,7 +295,10 @@ async def test_after_the_load_the_tokens_are_the_new_weights_greedy_continuation
             timeout=300,
         ).json()
     assert fresh["choices"][0]["token_ids"] == ids[k:]
-    assert crossed.reply.choices[0].model_extra["token_ids"] == ids
+    streamed = [
+        t for chunk in crossed.reply for c in chunk.choices for t in (c.model_extra or {}).get("token_ids") or []
+    ]
+    assert streamed == ids
 
 
 async def test_a_streaming_agent_gets_a_well_formed_stream_across_the_load(vllm_engine, tiny_model_dir, perturbed):

@@ -9,6 +9,7 @@ import pytest
 from rollover.config import load_config
 from rollover.distributed.world import World
 from rollover.engine.pool import node_engines
+from rollover.engine.settings import EngineSettings
 from rollover.engine.tool_calls import resolve_tool_call_parser
 from rollover.engine.vllm_engine import VLLMEngine
 from rollover.modelzoo.chat_template import chatml_template
@@ -87,7 +88,7 @@ def test_a_parser_in_the_engine_args_wins(tmp_path):
 def test_multi_turn_format_picks_the_parser_of_the_runs_engines(tmp_path, overrides, parser):
     model = _model(tmp_path, chatml_template())  # auto alone would pick hermes for it
     config = load_config(None, ["trainer.device=cpu", *overrides])
-    [engine] = node_engines(config, model, tmp_path, World())
+    [engine] = node_engines(EngineSettings.from_config(config), model, tmp_path, World())
     assert engine.tool_call_parser == parser
     command = engine.command()
     if parser is None:

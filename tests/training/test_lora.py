@@ -13,8 +13,9 @@ import torch
 from rollover import adapter_folder
 from rollover.cli.main import main
 from rollover.config import ConfigError, load_config
-from rollover.training.policy import Policy
+from rollover.training.actor import Actor
 from rollover.training.samples import RolloutScore, Sample, UpdateBatch
+from rollover.training.update_settings import ActorSettings
 from tests.distributed.test_update_ranks import model_dir
 
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"]
@@ -51,14 +52,14 @@ def base_model(model_dir: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def trained_policy(model_dir: Path, *extra: str) -> Policy:
-    policy = Policy(model_dir, load_config(None, [*BASE, *LORA, *extra]))
+def trained_policy(model_dir: Path, *extra: str) -> Actor:
+    policy = Actor.load(model_dir, ActorSettings.from_config(load_config(None, [*BASE, *LORA, *extra])))
     policy.update(batch(), random.Random(0), lr=5e-2)
     return policy
 
 
 def test_only_the_adapter_trains(model_dir):
-    policy = Policy(model_dir, load_config(None, [*BASE, *LORA]))
+    policy = Actor.load(model_dir, ActorSettings.from_config(load_config(None, [*BASE, *LORA])))
     ids = batch().samples[1].input_ids
     # A fresh adapter's B is zero: the policy starts as the base model.
     assert torch.allclose(logprobs(policy.model, ids), logprobs(base_model(model_dir), ids), atol=1e-6)
@@ -95,7 +96,7 @@ def test_the_checkpoint_is_the_adapter_and_its_optimizer_state(model_dir, tmp_pa
     policy = trained_policy(model_dir)
     policy.save_training_state(tmp_path / "state")
     # Fresh policy: the adapter and Adam's moments come back from the checkpoint.
-    resumed = Policy(model_dir, load_config(None, [*BASE, *LORA]))
+    resumed = Actor.load(model_dir, ActorSettings.from_config(load_config(None, [*BASE, *LORA])))
     resumed.load_training_state(tmp_path / "state")
     for (name, saved), (_, loaded) in zip(policy.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(saved, loaded), name
@@ -132,24 +133,33 @@ def test_save_writes_the_adapter_and_merge_gives_a_plain_model_with_its_logprobs
 def test_a_run_starts_from_an_existing_adapter(model_dir, tmp_path):
     policy = trained_policy(model_dir)
     adapter = policy.save(tmp_path / "adapter")
-    started = Policy(
-        model_dir, load_config(None, [*BASE, *LORA, f"actor_rollout_ref.model.lora_adapter_path={adapter}"])
+    started = Actor.load(
+        model_dir,
+        ActorSettings.from_config(
+            load_config(None, [*BASE, *LORA, f"actor_rollout_ref.model.lora_adapter_path={adapter}"])
+        ),
     )
     ids = batch().samples[2].input_ids
     assert torch.allclose(logprobs(started.model, ids), logprobs(policy.model, ids), atol=1e-6)
     assert any(p.requires_grad for p in started.model.parameters())  # it trains on
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.model\.lora_rank.*rank of the adapter.*\(4\)"):
-        Policy(
+        Actor.load(
             model_dir,
-            load_config(
-                None,
-                [*BASE, "actor_rollout_ref.model.lora_rank=8", f"actor_rollout_ref.model.lora_adapter_path={adapter}"],
+            ActorSettings.from_config(
+                load_config(
+                    None,
+                    [
+                        *BASE,
+                        "actor_rollout_ref.model.lora_rank=8",
+                        f"actor_rollout_ref.model.lora_adapter_path={adapter}",
+                    ],
+                )
             ),
         )
 
 
 def test_without_lora_the_policy_is_the_whole_model(model_dir):
-    policy = Policy(model_dir, load_config(None, BASE))
+    policy = Actor.load(model_dir, ActorSettings.from_config(load_config(None, BASE)))
     assert not policy.lora
     n_optimized = sum(p.numel() for group in policy.optimizer.param_groups for p in group["params"])
     assert n_optimized == sum(p.numel() for p in policy.model.parameters())

@@ -14,8 +14,10 @@ from rollover import adapter_folder
 from rollover.cli.main import main
 from rollover.config import ConfigError, load_config
 from rollover.training import lora
-from rollover.training.policy import Policy
+from rollover.training.actor import Actor
+from rollover.training.prepare import prepare_update
 from rollover.training.samples import RolloutScore, UpdateBatch
+from rollover.training.update_settings import ActorSettings
 from tests.training.test_lora import BASE, LORA, base_model, batch, logprobs, model_dir
 
 __all__ = ["model_dir"]  # the tiny policy folder, shared with test_lora
@@ -38,17 +40,17 @@ def two_role_batch() -> UpdateBatch:
     return UpdateBatch(samples, base.rollouts)
 
 
-def adapter_weights(policy: Policy, name: str) -> dict[str, torch.Tensor]:
+def adapter_weights(policy: Actor, name: str) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in policy.model.named_parameters() if f".{name}." in n}
 
 
-def policy_logprobs(policy: Policy, name: str, ids: list[int]) -> torch.Tensor:
+def policy_logprobs(policy: Actor, name: str, ids: list[int]) -> torch.Tensor:
     lora.activate(policy.model, name)
     return logprobs(policy.model, ids)
 
 
 def test_each_adapter_moves_only_on_its_own_samples(model_dir):
-    policy = Policy(model_dir, load_config(None, [*BASE, *POLICIES]))
+    policy = Actor.load(model_dir, ActorSettings.from_config(load_config(None, [*BASE, *POLICIES])))
     groups = [{id(p) for p in g["params"]} for g in policy.optimizer.param_groups]
     assert len(groups) == 2 and len(groups[0]) == len(groups[1]) > 0 and not groups[0] & groups[1]
     planner, solver = adapter_weights(policy, "planner"), adapter_weights(policy, "solver")
@@ -63,7 +65,7 @@ def test_each_adapter_moves_only_on_its_own_samples(model_dir):
 
 def test_every_optimizer_step_is_one_policys_and_each_has_its_lr(model_dir):
     config = load_config(None, [*BASE, *POLICIES, "actor_rollout_ref.actor.ppo_mini_batch_size=2"])
-    policy = Policy(model_dir, config)
+    policy = Actor.load(model_dir, ActorSettings.from_config(config))
     plan = policy.plan(two_role_batch(), random.Random(0), lr=5e-2)
     assert plan.steps and all(len({plan.samples[i].policy for i in step}) == 1 for step in plan.steps)
     assert {plan.samples[step[0]].policy for step in plan.steps} == {"planner", "solver"}
@@ -74,10 +76,10 @@ def test_every_optimizer_step_is_one_policys_and_each_has_its_lr(model_dir):
 
 
 def test_pi_old_goes_through_each_samples_own_adapter(model_dir):
-    policy = Policy(model_dir, load_config(None, [*BASE, *POLICIES]))
+    policy = Actor.load(model_dir, ActorSettings.from_config(load_config(None, [*BASE, *POLICIES])))
     policy.update(two_role_batch(), random.Random(0), lr=5e-2)  # both adapters now differ from the base
     samples = two_role_batch().samples
-    old = policy._old_logprobs(samples)
+    old = [r.old for r in policy.recompute(samples)]
     for sample, computed in zip(samples, old):
         assert sample.policy is not None
         own = policy_logprobs(policy, sample.policy, sample.input_ids)
@@ -87,7 +89,7 @@ def test_pi_old_goes_through_each_samples_own_adapter(model_dir):
 
 
 def test_advantages_are_normalised_within_group_and_policy(model_dir):
-    policy = Policy(model_dir, load_config(None, [*BASE, *POLICIES]))
+    policy = Actor.load(model_dir, ActorSettings.from_config(load_config(None, [*BASE, *POLICIES])))
     # Group g0: rollouts r0 (reward 0) and r1 (reward 1), each with a planner and a solver sample.
     base = two_role_batch().samples[0]
     samples = [
@@ -99,9 +101,15 @@ def test_advantages_are_normalised_within_group_and_policy(model_dir):
     samples.append(replace(base, rollout_id="r2", group_id="g0", reward=1.0, policy="solver"))
     rollouts = [RolloutScore(r, "g0", w) for r, w in (("r0", 0.0), ("r1", 1.0), ("r2", 1.0))]
     plan = policy.plan(UpdateBatch(samples, rollouts), random.Random(0), lr=1e-3)
-    prepared = policy._prepare(plan.samples)
-    metrics = policy._assign_advantages(prepared, plan.rollouts, 0.0)
-    advantage = {(p.sample.rollout_id, p.sample.policy): p.sample.advantage for p in prepared}
+    prepared = prepare_update(
+        plan.samples,
+        plan.rollouts,
+        policy.recompute(plan.samples),
+        policy.settings.update,
+        policies=("planner", "solver"),
+    )
+    metrics = prepared.metrics
+    advantage = {(p.unit.rollout_id, p.unit.policy): float(p.advantages[p.trained > 0][0]) for p in prepared.rows}
     # The planner's group is {0, 1}: ±1/std; the solver's is {0, 1, 1}: mean 2/3.
     assert advantage["r0", "planner"] == pytest.approx(-advantage["r1", "planner"])
     assert advantage["r1", "solver"] == pytest.approx(advantage["r2", "solver"])
@@ -112,7 +120,7 @@ def test_advantages_are_normalised_within_group_and_policy(model_dir):
 
 
 def test_samples_of_no_policy_are_dropped_and_counted(model_dir):
-    policy = Policy(model_dir, load_config(None, [*BASE, *POLICIES]))
+    policy = Actor.load(model_dir, ActorSettings.from_config(load_config(None, [*BASE, *POLICIES])))
     samples = [replace(s, policy=None) if i == 0 else s for i, s in enumerate(two_role_batch().samples)]
     plan = policy.plan(UpdateBatch(samples, batch().rollouts), random.Random(0), lr=1e-3)
     assert len(plan.samples) == 3 and plan.metrics["training/n_sample_dropped/no_policy"] == 1
@@ -121,7 +129,7 @@ def test_samples_of_no_policy_are_dropped_and_counted(model_dir):
 def test_save_checkpoint_and_merge_one_policy(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    policy = Policy(model_dir, load_config(None, [*BASE, *POLICIES]))
+    policy = Actor.load(model_dir, ActorSettings.from_config(load_config(None, [*BASE, *POLICIES])))
     policy.update(two_role_batch(), random.Random(0), lr=5e-2)
     saved = policy.save(tmp_path / "step_1" / "model")
     assert set(adapter_folder.policy_adapters(saved)) == {"planner", "solver"}
@@ -140,11 +148,11 @@ def test_save_checkpoint_and_merge_one_policy(model_dir, tmp_path):
     assert torch.allclose(logprobs(merged, ids), policy_logprobs(policy, "solver", ids), atol=1e-5)
     # The checkpoint holds both adapters and their Adam state, even of a policy that has not
     # stepped yet (a planner-only update: the solver has none).
-    policy = Policy(model_dir, load_config(None, [*BASE, *POLICIES]))
+    policy = Actor.load(model_dir, ActorSettings.from_config(load_config(None, [*BASE, *POLICIES])))
     only_planner = UpdateBatch([s for s in two_role_batch().samples if s.policy == "planner"], batch().rollouts)
     policy.update(only_planner, random.Random(0), lr=5e-2)
     policy.save_training_state(tmp_path / "state")
-    resumed = Policy(model_dir, load_config(None, [*BASE, *POLICIES]))
+    resumed = Actor.load(model_dir, ActorSettings.from_config(load_config(None, [*BASE, *POLICIES])))
     resumed.load_training_state(tmp_path / "state")
     for name in ("planner", "solver"):
         assert all(
@@ -177,7 +185,7 @@ def test_bad_policy_configs_are_refused_with_the_key(overrides, message):
 
 
 def test_one_policy_runs_keep_the_single_adapter_layout(model_dir, tmp_path):
-    policy = Policy(model_dir, load_config(None, [*BASE, *LORA]))
+    policy = Actor.load(model_dir, ActorSettings.from_config(load_config(None, [*BASE, *LORA])))
     assert policy.policies == () and len(policy.optimizer.param_groups) == 1
     saved = policy.save(tmp_path / "model")
     assert adapter_folder.is_adapter(saved) and adapter_folder.policy_adapters(saved) == {}

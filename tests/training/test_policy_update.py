@@ -8,8 +8,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rollover.config import load_config
-from rollover.training.policy import Policy
+from rollover.training.actor import Actor
 from rollover.training.samples import RolloutScore, Sample, UpdateBatch
+from rollover.training.update_settings import ActorSettings
 
 
 class _Tok:
@@ -17,7 +18,9 @@ class _Tok:
     eos_token_id = 1
 
 
-def tiny_policy(overrides=()):
+def tiny_policy(overrides=()) -> Actor:
+    """A tiny actor in memory, with the settings of the defaults plus `overrides` (its config
+    kept as `.config` for the tests' own reading)."""
     torch.manual_seed(0)
     config = load_config(
         None,
@@ -28,12 +31,7 @@ def tiny_policy(overrides=()):
             *overrides,
         ],
     )
-    policy = Policy.__new__(Policy)
-    policy.config = config
-    policy.device = torch.device("cpu")
-    policy.tokenizer = _Tok()
-    policy.pad_token_id = 0
-    policy.model = LlamaForCausalLM(
+    model = LlamaForCausalLM(
         LlamaConfig(
             vocab_size=32,
             hidden_size=32,
@@ -43,9 +41,9 @@ def tiny_policy(overrides=()):
             num_key_value_heads=4,
         )
     )
-    policy.optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-2, weight_decay=0.0)
-    policy.reference = None
-    return policy
+    actor = Actor(model, _Tok(), ActorSettings.from_config(config))
+    actor.config = config  # type: ignore[attr-defined]
+    return actor
 
 
 def update(policy, samples, rng=None):

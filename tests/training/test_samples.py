@@ -28,7 +28,7 @@ def test_extending_calls_merge_into_one_sample() -> None:
     samples = build_samples("r1", "g1", MULTI_TURN, reward=1.0, max_length=None)
     assert len(samples) == 1
     s = samples[0]
-    assert (s.rollout_id, s.group_id, s.reward, s.advantage) == ("r1", "g1", 1.0, 0.0)
+    assert (s.rollout_id, s.group_id, s.reward) == ("r1", "g1", 1.0)
     assert s.input_ids == [1, 2, 3, 10, 11, 20, 21, 12, 22, 13, 14]
     assert s.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1]
     assert s.behaviour_logprobs == [0.0, 0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3, 0.0, -0.4, -0.5]
@@ -105,13 +105,11 @@ def test_logprob_length_mismatch_is_an_error() -> None:
 def test_collate_shapes_padding_and_target_alignment() -> None:
     [long] = build_samples("r1", "g1", MULTI_TURN, reward=1.0, max_length=None)
     [short] = build_samples("r2", "g1", [_call([5, 6], [7, 8], [-1.0, -2.0], 3)], 0.0, None)
-    long.advantage = 0.5
-    short.advantage = -1.0
     batch = collate([long, short], pad_token_id=0)
 
     assert batch["input_ids"].shape == (2, 11) and batch["input_ids"].dtype == torch.long
     assert batch["attention_mask"].shape == (2, 11)
-    for key in ("loss_mask", "behaviour_logprobs", "advantages", "token_versions"):
+    for key in ("loss_mask", "behaviour_logprobs", "token_versions"):
         assert batch[key].shape == (2, 10), key
     assert batch["token_versions"].dtype == torch.long
 
@@ -127,12 +125,10 @@ def test_collate_shapes_padding_and_target_alignment() -> None:
             assert batch["loss_mask"][row, j - 1].item() == m
             assert batch["behaviour_logprobs"][row, j - 1].item() == pytest.approx(sample.behaviour_logprobs[j])
             assert batch["token_versions"][row, j - 1].item() == sample.token_versions[j]
-            assert batch["advantages"][row, j - 1].item() == (sample.advantage if m else 0.0)
 
     # Concretely: token 10 (input position 3, logprob -0.1) lands in column 2.
     assert batch["behaviour_logprobs"][0, 2].item() == pytest.approx(-0.1)
     assert batch["loss_mask"][0].tolist() == [0, 0, 1, 1, 0, 0, 1, 0, 1, 1]
-    assert batch["advantages"][1].tolist() == [0.0, -1.0, -1.0] + [0.0] * 7
     assert batch["loss_mask"][1, 3:].sum().item() == 0  # padding is never a loss token
     assert batch["token_versions"][1, 3:].tolist() == [-1] * 7
 

@@ -16,7 +16,8 @@ from rollover.config import load_config
 from rollover.distributed.world import World
 from rollover.training.loss.entropy import token_entropy
 from rollover.training.loss.kl import kl_estimate
-from rollover.training.reference import ReferencePolicy
+from rollover.training.prepare import prepare_update
+from rollover.training.reference import Reference
 from rollover.training.samples import RolloutScore, Sample, UpdateBatch
 from tests.training.test_policy_update import make_sample, tiny_policy, update, with_behaviour_of
 
@@ -31,10 +32,11 @@ def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-def frozen_copy(policy) -> ReferencePolicy:
+def frozen_copy(policy) -> Reference:
     """A reference policy holding a copy of `policy`'s weights as they are now."""
-    reference = ReferencePolicy.__new__(ReferencePolicy)
-    reference.config, reference.world, reference.device, reference.moves = policy.config, World(), policy.device, False
+    reference = Reference.__new__(Reference)
+    reference.settings, reference.world = policy.settings.reference, World()
+    reference.device, reference.moves = policy.device, False
     reference.model = copy.deepcopy(policy.model).eval().requires_grad_(False)
     return reference
 
@@ -135,10 +137,12 @@ def test_the_kl_in_the_reward_is_subtracted_before_the_group_baseline():
         for s in samples
     }
     assert kl["a"] != pytest.approx(kl["b"])
-    metrics = policy.update(UpdateBatch(samples, [RolloutScore(s.rollout_id, "g", 1.0) for s in samples]),
-                            random.Random(0), lr=1e-2, kl_coef=0.5)  # fmt: skip
+    rollouts = [RolloutScore(s.rollout_id, "g", 1.0) for s in samples]
+    prepared = prepare_update(samples, rollouts, policy.recompute(samples), policy.settings.update, kl_coef=0.5)
+    advantage = {row.sample.rollout_id: float(row.advantages.max() + row.advantages.min()) for row in prepared.rows}
+    metrics = policy.update(UpdateBatch(samples, rollouts), random.Random(0), lr=1e-2, kl_coef=0.5)
     further, nearer = sorted(samples, key=lambda s: -kl[s.rollout_id])
-    assert further.advantage < 0 < nearer.advantage
+    assert advantage[further.rollout_id] < 0 < advantage[nearer.rollout_id]
     assert metrics["critic/rewards/mean"] == pytest.approx(1.0 - 0.5 * (kl["a"] + kl["b"]) / 2, rel=1e-4)
     assert metrics["actor/reward_kl_penalty_coeff"] == 0.5 and metrics["actor/reward_kl_penalty"] > 0
 

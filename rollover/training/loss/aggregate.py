@@ -12,7 +12,7 @@ mini-batch's ``BatchCounts`` before the first backward.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +45,16 @@ def local_counts(mask: torch.Tensor) -> tuple[float, float]:
     return float(valid.sum().item()), float(valid.any(dim=-1).sum().item())
 
 
+def mini_batch_counts(masks: Sequence[torch.Tensor], norm_length: float) -> BatchCounts:
+    """The counts of a mini-batch whose rows' trained masks are `masks` (each `[T]`)."""
+    n_tokens = n_sequences = 0.0
+    for mask in masks:
+        tokens, sequences = local_counts(mask.unsqueeze(0))
+        n_tokens += tokens
+        n_sequences += sequences
+    return BatchCounts(n_tokens, n_sequences, norm_length)
+
+
 def _row_sums(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``Σ_t m_t·v_t`` per row: ``[B]``."""
     return on_mask(values, valid_mask(mask)).sum(dim=-1)
@@ -70,12 +80,14 @@ def seq_mean_token_mean(values: torch.Tensor, mask: torch.Tensor, counts: BatchC
 
 
 def seq_mean_token_sum_norm(values: torch.Tensor, mask: torch.Tensor, counts: BatchCounts) -> torch.Tensor:
-    """``Σ_b (Σ_t m·v) / (n_sequences · norm_length)`` (Dr. GRPO): token sums over a constant length.
+    """``Σ_b (Σ_t m·v) / (n_sequences · norm_length)``: Dr. GRPO's paper, each sequence's token
+    sum over a constant length, averaged over the mini-batch's sequences.
 
-    verl divides a micro-batch's token sums by the padded response length of that micro-batch;
-    here the sequence mean runs over the mini-batch's sequences and the length is the constant
-    ``norm_length``, so the loss does not depend on how the mini-batch is split into
-    micro-batches or ranks.
+    A deliberate deviation from verl, whose ``agg_loss`` takes ``Σ_b (Σ_t m·v) / loss_scale_factor``
+    with no mean over sequences: for ``ones[2, 3]`` all masked and ``loss_scale_factor`` 4 verl
+    gives 1.5, this 0.75. verl's value then depends on how the mini-batch is split (its actor
+    averages the micro-batches' values: the sum of a micro-batch of m sequences scales with m);
+    this one is the same however the mini-batch is split into micro-batches and ranks.
     """
     denominator = max(1.0, counts.n_sequences) * max(1.0, counts.norm_length)
     return _row_sums(values, mask).sum() / denominator
@@ -101,7 +113,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: LossAggMode, count
     return AGGREGATIONS[mode](values, mask, counts)
 
 
-def rollout_row_divisors(rollout_ids: Sequence[str], row_tokens: Sequence[float]) -> list[float]:
+def rollout_row_divisors(rollout_ids: Sequence[Hashable], row_tokens: Sequence[float]) -> list[float]:
     """Agent Lightning's ``per_rollout_mean`` divisor of every row of a whole update batch.
 
     ``divisor[i] = max(1, N_ρ(i) · R)`` with ``N_ρ = Σ_{j : id_j = ρ} row_tokens[j]`` the masked
@@ -112,7 +124,7 @@ def rollout_row_divisors(rollout_ids: Sequence[str], row_tokens: Sequence[float]
     """
     if len(rollout_ids) != len(row_tokens):
         raise ValueError(f"{len(rollout_ids)} rollout ids for {len(row_tokens)} rows")
-    rollout_tokens: dict[str, float] = {}
+    rollout_tokens: dict[Hashable, float] = {}
     for rollout_id, tokens in zip(rollout_ids, row_tokens):
         rollout_tokens[rollout_id] = rollout_tokens.get(rollout_id, 0.0) + float(tokens)
     n_rows = len(rollout_ids)

@@ -4,21 +4,19 @@ from typing import get_args
 import pytest
 import torch
 
-from rollover.training.loss.correction import (
-    IS_STATISTICS,
-    REJECTION_STATISTICS,
-    RejectionMode,
-    RolloutIsMode,
-    importance_weights,
-    rejection_mask,
-)
+from rollover.config.algorithm import RejectionCriterion, RejectionMode, RolloutIsMode
+from rollover.training.loss.correction import IS_MODES, importance_weights, rejection_mask
 
 NAN = float("nan")
 
 
-def test_every_mode_has_one_statistic() -> None:
-    assert set(get_args(RolloutIsMode)) == set(IS_STATISTICS)
-    assert set(get_args(RejectionMode)) == set(REJECTION_STATISTICS)
+def test_every_is_mode_is_known() -> None:
+    assert set(get_args(RolloutIsMode)) == set(IS_MODES)
+
+
+def criterion(mode: RejectionMode, upper: float, lower: float | None = None) -> list[RejectionCriterion]:
+    """One rejection test before 2026: the ratio within [lower, upper] (lower: 1/upper)."""
+    return [RejectionCriterion(mode, 1.0 / upper if lower is None else lower, upper)]
 
 
 def _logprobs(ratios: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +121,7 @@ def _reject(
     mode: RejectionMode, upper: float, lower: float | None, veto: float | None = None
 ) -> tuple[list[list[float]], dict[str, float]]:
     old, behaviour = _logprobs(RATIOS)
-    keep, metrics = rejection_mask(old, behaviour, MASK, mode, upper, lower, veto)
+    keep, metrics = rejection_mask(old, behaviour, MASK, criterion(mode, upper, lower), veto)
     return keep.tolist(), metrics
 
 
@@ -153,7 +151,8 @@ def test_sequence_rejection() -> None:
     assert keep == [[0, 0, 0], [1, 1, 0], [0, 0, 0], [0, 0, 0]]
     assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(5 / 7)
     assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(2 / 3)
-    assert metrics["rollout_corr/rollout_rs_mean"] == pytest.approx((4 + 0.75 + 0.25) / 3, abs=1e-5)
+    # verl weighs each row by its tokens: rows of 2, 2 and 3 tokens
+    assert metrics["rollout_corr/rollout_rs_mean"] == pytest.approx((4 * 2 + 0.75 * 2 + 0.25 * 3) / 7, abs=1e-5)
     assert metrics["rollout_corr/rollout_rs_max"] == pytest.approx(4.0, abs=1e-5)
     assert metrics["rollout_corr/rollout_rs_min"] == pytest.approx(0.25, abs=1e-6)
 
@@ -175,7 +174,10 @@ def test_geometric_rejection() -> None:
     assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(5 / 7)
     assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(2 / 3)
     geometric = [2.0, math.sqrt(0.75), 0.25 ** (1 / 3)]
-    assert metrics["rollout_corr/rollout_rs_mean"] == pytest.approx(sum(geometric) / 3, abs=1e-5)
+    tokens = [2, 2, 3]
+    assert metrics["rollout_corr/rollout_rs_mean"] == pytest.approx(
+        sum(g * n for g, n in zip(geometric, tokens)) / 7, abs=1e-5
+    )
     assert metrics["rollout_corr/rollout_rs_max"] == pytest.approx(2.0, abs=1e-5)
     assert metrics["rollout_corr/rollout_rs_min"] == pytest.approx(0.25 ** (1 / 3), abs=1e-5)
 
@@ -185,8 +187,9 @@ def test_veto_drops_the_whole_row() -> None:
     keep, metrics = _reject("token", 10.0, 0.1, veto=0.3)
     assert keep == [[1, 1, 0], [1, 1, 0], [0, 0, 0], [0, 0, 0]]
     assert metrics["rollout_corr/rollout_is_veto_fraction"] == pytest.approx(1 / 3)
-    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(3 / 7)
-    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(1 / 3)
+    # verl reports the rejection's own fractions before the veto: the bounds dropped nothing
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == 0.0
 
 
 def test_veto_uses_the_unclamped_ratio() -> None:
@@ -194,22 +197,24 @@ def test_veto_uses_the_unclamped_ratio() -> None:
     # Sequence bounds [e^-40, e^40] would keep the row on their own.
     old = torch.tensor([[-30.0, 0.0], [0.0, 0.0]])
     bounds = math.exp(40.0)
-    keep, metrics = rejection_mask(old, torch.zeros(2, 2), torch.ones(2, 2), "sequence", bounds, 1 / bounds, 1e-10)
+    keep, metrics = rejection_mask(
+        old, torch.zeros(2, 2), torch.ones(2, 2), criterion("sequence", bounds, 1 / bounds), 1e-10
+    )
     assert keep.tolist() == [[0, 0], [1, 1]]
     assert metrics["rollout_corr/rollout_is_veto_fraction"] == pytest.approx(0.5)
 
 
 def test_rejection_bad_arguments() -> None:
     x = torch.zeros(1, 2)
-    with pytest.raises(ValueError, match="algorithm.rollout_correction.rollout_rs"):
-        rejection_mask(x, x, torch.ones(1, 2), "tokens", 2.0, None)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="lower"):
-        rejection_mask(x, x, torch.ones(1, 2), "token", 2.0, 3.0)
+    with pytest.raises(ValueError, match="criterion"):
+        rejection_mask(x, x, torch.ones(1, 2), [])
+    with pytest.raises(ValueError, match="veto"):
+        rejection_mask(x, x, torch.ones(1, 2), criterion("token", 2.0), veto=0.0)
 
 
 def test_rejection_keep_is_a_constant() -> None:
     old, behaviour = _logprobs(RATIOS)
     old.requires_grad_(True)
-    keep, _ = rejection_mask(old, behaviour, MASK, "token", 2.0, None)
+    keep, _ = rejection_mask(old, behaviour, MASK, criterion("token", 2.0))
     assert keep.dtype == torch.float32
     assert not keep.requires_grad
