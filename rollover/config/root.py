@@ -179,11 +179,6 @@ class RolloverConfig(Section):
                 f"actor_rollout_ref.rollout.max_loras={max_loras} is fewer than the {len(policies)} policies of"
                 f" agentlightning.policies: the engine must run every policy's adapter at once; set it to {len(policies)}"
             )
-        if self.actor_rollout_ref.model.lora and self.agentlightning.async_rollout.partial_rollout:
-            raise ValueError(
-                "actor_rollout_ref.model.lora_rank > 0 and agentlightning.async_rollout.partial_rollout "
-                "cannot both be on: a kept request would go on with the previous adapter"
-            )
 
     def check_async_window(self) -> None:
         """The seed's rule: an async rollout window is set and larger than the batch."""

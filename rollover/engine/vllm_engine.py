@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,10 @@ class VLLMEngine(VLLMServer):
         self._gateway_key: str | None = None
         self._sleep_level = 0
         self.last_reload: Any = None
+        # LoRA: the id this server gave each adapter name it serves, which an in-place reload
+        # addresses (vLLM counts from 1 in the order names are first loaded, never reusing one).
+        self._lora_ids: dict[str, int] = {}
+        self._loras_loaded = 0
 
     async def restart(self) -> float:
         """Start the engine again (after a crash) on the same port (another if it picked that
@@ -73,6 +79,7 @@ class VLLMEngine(VLLMServer):
         started = time.monotonic()
         await asyncio.to_thread(self.stop)
         self._sleep_level = 0
+        self._lora_ids, self._loras_loaded = {}, 0  # a new server: no adapter loaded
         served_before = self.base_url
         self.start()  # in the caller's thread: the parent-death signal is tied to it
         await asyncio.to_thread(self.wait_ready)
@@ -135,7 +142,9 @@ class VLLMEngine(VLLMServer):
         self.adapter_name = self.adapter_dir = None  # whole weights: the base is the policy again
         self.policies = {}
         if self.keep_requests:
-            return await self._load_keeping_requests(wdir, version)
+            version = await self._load_keeping_requests(lambda: self._reload(wdir), version)
+            self.weights_dir = wdir
+            return version
         sleeping = self._sleep_level > 0
         if sleeping:
             await self.wake_up(tags=["weights"])
@@ -150,36 +159,62 @@ class VLLMEngine(VLLMServer):
         return self.policy_version
 
     async def load_adapter(self, adapter_dir: str | Path, *, version: int) -> str:
-        """LoRA: serve the PEFT adapter in `adapter_dir` as the policy at `version`, under a
-        name of its own (`{served_model_name}-v{version}`, vLLM's runtime `/v1/load_lora_adapter`;
-        the base weights stay), re-register with the attached gateway (which then sends every
-        call to that name), and unload the adapter served before, so a long run never runs
-        out of LoRA slots. Traffic should be drained first, as for `load_weights`. Returns
-        the name.
+        """LoRA: serve the PEFT adapter in `adapter_dir` as the policy at `version`, under one
+        stable name (`{served_model_name}-lora`), its files in a stable folder beside
+        `adapter_dir` (`served/<name>`, what vLLM reads the adapter from). A name new to the
+        server is loaded with vLLM's `/v1/load_lora_adapter`; every later version is swapped in
+        place in the worker (`RolloverWorkerExtension.rollover_reload_loras`), under the id the
+        requests hold, and the prefix cache dropped (its blocks of the old adapter would be
+        found under the same name). Then re-register with the attached gateway (which sends
+        every call to that name, recording the version). With `keep_requests` (partial rollout)
+        the requests in flight are frozen across the swap and continue with the new adapter,
+        as across a weight load (`_load_keeping_requests`). Returns the name.
 
         A folder of several policies' adapters (a PEFT folder per policy, no adapter of its
-        own) serves each as `{policy}-v{version}`, and the registration tells the gateway
-        which name serves which policy (`policies`), so agents pick one by name."""
+        own) serves each as `{policy}-lora`, and the registration tells the gateway which name
+        serves which policy (`policies`), so agents pick one by name."""
         adir = Path(adapter_dir).absolute()
-        if self._sleep_level > 0:
-            await self.wake_up()
         by_policy = policy_adapters(adir)
-        served = {policy: f"{policy}-v{version}" for policy in by_policy}
-        name = next(iter(served.values()), f"{self.served_model_name}-v{version}")
-        for lora_name, path in [(served[p], d) for p, d in by_policy.items()] or [(name, adir)]:
-            await self._post(
-                "/v1/load_lora_adapter", json={"lora_name": lora_name, "lora_path": str(path), "load_inplace": True}
-            )
+        served = {policy: f"{policy}-lora" for policy in by_policy}
+        name = next(iter(served.values()), f"{self.served_model_name}-lora")
+        sources = [(served[p], d) for p, d in by_policy.items()] or [(name, adir)]
+        stable = {
+            lora_name: _stage_adapter(source, adir.parent / "served" / lora_name) for lora_name, source in sources
+        }
         previous = {*self.policies.values(), self.adapter_name} - {None, *served.values(), name}
+        known = [lora_name for lora_name in stable if lora_name in self._lora_ids]
+
+        async def reload() -> None:
+            for lora_name, path in stable.items():
+                if lora_name not in self._lora_ids:
+                    await self._post("/v1/load_lora_adapter", json={"lora_name": lora_name, "lora_path": str(path)})
+                    self._loras_loaded += 1
+                    self._lora_ids[lora_name] = self._loras_loaded
+            if known:
+                swap = [[lora_name, self._lora_ids[lora_name], str(stable[lora_name])] for lora_name in known]
+                resp = await self._post(
+                    "/collective_rpc", json={"method": "rollover_reload_loras", "kwargs": {"adapters": swap}}
+                )
+                log.debug("rollover_reload_loras: %s", resp.text[:500])
+
+        if self.keep_requests and known:
+            await self._load_keeping_requests(reload, version)
+        else:
+            if self._sleep_level > 0:
+                await self.wake_up()
+            await reload()
+            if known:
+                await self.reset_prefix_cache()
+            self.policy_version = int(version)
         self.adapter_name, self.adapter_dir, self.policies = name, adir, served
-        self.policy_version = int(version)
         if self.gateway_url is not None:
             await self.register_with_gateway(self.gateway_url, self._gateway_key or "")
         async with httpx.AsyncClient(timeout=60.0, trust_env=False) as client:
-            for old in sorted(n for n in previous if n is not None):
+            for old in sorted(n for n in previous if n is not None):  # another set of policies than before
                 resp = await client.post(f"{self.server_url}/v1/unload_lora_adapter", json={"lora_name": old})
                 if resp.status_code >= 400:  # not fatal: the slot is taken back when vLLM needs it
                     log.warning("unloading LoRA adapter %s: HTTP %d %s", old, resp.status_code, resp.text[:200])
+                self._lora_ids.pop(old, None)
         return name
 
     async def _reload(self, wdir: Path) -> None:
@@ -195,8 +230,9 @@ class VLLMEngine(VLLMServer):
         except (ValueError, KeyError, IndexError, TypeError):
             self.last_reload = None
 
-    async def _load_keeping_requests(self, wdir: Path, version: int | None) -> int:
-        """Partial rollout's weight load: the requests in flight are frozen, not drained.
+    async def _load_keeping_requests(self, reload: Callable[[], Awaitable[None]], version: int | None) -> int:
+        """Partial rollout's load (`reload`: of the weights, or of the adapters in place): the
+        requests in flight are frozen, not drained.
 
         Awake (CPU, or a GPU engine kept resident): tell the gateway the engine is frozen,
         `POST /pause?mode=keep` (vLLM keeps every request in its scheduler and steps none),
@@ -214,12 +250,11 @@ class VLLMEngine(VLLMServer):
         try:
             if asleep:
                 await self.wake_up(tags=["weights"])
-            await self._reload(wdir)
+            await reload()
             if not asleep:
                 resp = await self._post("/reset_prefix_cache", params={"reset_running_requests": "true"})
                 if resp.json().get("success") is False:
                     raise EngineError("reset_prefix_cache with reset_running_requests failed while paused")
-            self.weights_dir = wdir
             self.policy_version = self.policy_version + 1 if version is None else int(version)
         finally:
             try:
@@ -319,3 +354,21 @@ class VLLMEngine(VLLMServer):
                 )
             except (GatewayError, httpx.HTTPError) as exc:
                 raise GatewayRegistrationError(f"POST {client.base_url}/api/models failed: {exc}") from exc
+
+
+def _stage_adapter(source: Path, stable: Path) -> Path:
+    """`source`'s adapter files in `stable`, each replaced atomically (a hard link where the
+    file system allows, else a copy), so whatever vLLM reads from `stable` is one whole adapter
+    version: the newest."""
+    stable.mkdir(parents=True, exist_ok=True)
+    for file in source.iterdir():
+        if not file.is_file():
+            continue
+        staged = stable / f".{file.name}.{os.getpid()}.tmp"
+        staged.unlink(missing_ok=True)
+        try:
+            os.link(file, staged)
+        except OSError:
+            shutil.copyfile(file, staged)
+        os.replace(staged, stable / file.name)
+    return stable

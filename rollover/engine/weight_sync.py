@@ -95,9 +95,11 @@ class EngineWeightSync(_EngineSync):
 
 
 class EngineAdapterSync(_EngineSync):
-    """LoRA's weight sync: the actor's adapter alone (with several policies, a folder per
-    policy), gathered and saved in PEFT's format, and loaded by every engine at runtime under a
-    new name per version (`VLLMEngine.load_adapter`, which unloads the previous one)."""
+    """LoRA's weight sync: the policy's adapter alone (with several policies, a folder per
+    policy), gathered and saved in PEFT's format under `adapters_root/v{version}`, and swapped
+    into every engine at runtime under one stable name (`VLLMEngine.load_adapter`, which serves
+    it from `adapters_root/served/<name>`). Only the current version's folder is kept (an engine
+    restarted by its watchdog loads it again)."""
 
     def __init__(
         self, engines: Sequence[VLLMEngine], adapters_root: Path, locks: Sequence[asyncio.Lock] | None = None

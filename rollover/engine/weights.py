@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -164,3 +165,22 @@ class RolloverWorkerExtension:
                 quant_method.process_weights_after_loading(module)
                 refreshed.append(name)
         return {"seconds": time.perf_counter() - start, "refreshed_tied_heads": refreshed}
+
+    def rollover_reload_loras(self, adapters: list[Any]) -> dict[str, object]:
+        """Reload LoRA adapters in place in this worker: `adapters` is `[name, int id, path]`
+        per adapter, each already served under that id. vLLM's own in-place load
+        (`load_inplace` on `/v1/load_lora_adapter`) leaves the flag on the request every later
+        call carries, and its worker then reloads the adapter from disk at every engine step,
+        and a request kept across the load reloads the old files; this swaps the weights once,
+        under the id the requests already hold, so kept requests go on with the new adapter. One
+        the worker evicted from its cache meanwhile is loaded again from `path`."""
+        from vllm.lora.request import LoRARequest
+
+        start = time.perf_counter()
+        manager = self.model_runner.lora_manager  # type: ignore[attr-defined]
+        for name, lora_int_id, path in adapters:
+            # One the worker evicted (more adapters than its cache holds) is loaded afresh:
+            # from the same stable path, which holds the newest files.
+            loaded = int(lora_int_id) in manager.list_adapters()
+            manager.add_adapter(LoRARequest(str(name), int(lora_int_id), str(path), load_inplace=loaded))
+        return {"seconds": time.perf_counter() - start, "reloaded": [name for name, _, _ in adapters]}

@@ -71,13 +71,14 @@ def test_rules_across_keys_name_both(tmp_path):
         load_config(None, [f"{MODEL}.lora_rank=16", f"{ROLLOUT}.max_lora_rank=8"])
     with pytest.raises(ConfigError, match=r"lora_adapter_path needs actor_rollout_ref\.model\.lora_rank > 0"):
         load_config(None, [f"{MODEL}.lora_adapter_path={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"partial_rollout"):
-        load_config(
-            None,
-            [
-                f"{MODEL}.lora_rank=8",
-                "agentlightning.async_rollout.enabled=true",
-                "agentlightning.async_rollout.async_train_batch_size=64",
-                "agentlightning.async_rollout.partial_rollout=true",
-            ],
-        )
+    # LoRA with partial rollout: the engine reloads the adapter in place, kept requests go on with it.
+    both = load_config(
+        None,
+        [
+            f"{MODEL}.lora_rank=8",
+            "agentlightning.async_rollout.enabled=true",
+            "agentlightning.async_rollout.async_train_batch_size=64",
+            "agentlightning.async_rollout.partial_rollout=true",
+        ],
+    )
+    assert both.actor_rollout_ref.model.lora and both.agentlightning.async_rollout.partial_rollout

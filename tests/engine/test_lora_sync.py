@@ -1,6 +1,6 @@
 """LoRA weight sync on a real vLLM engine: only the adapter is written and loaded per update
-(the base stays), the engine serves it under a new name per version and drops the previous
-one, its logprobs are the trainer's for the adapted model, and the gateway sends every call,
+(the base stays), the engine serves it under one name reloaded in place at every version, its
+logprobs are the trainer's for the adapted model, and the gateway sends every call,
 whatever model it names, to the current adapter with the exact version recorded. Several
 policies: one engine serves each policy's adapter, and an agent picks one by name."""
 
@@ -112,21 +112,21 @@ def test_only_the_adapter_moves_and_the_engine_serves_it(lora_engine, calc_model
     tensors = load_file(written / adapter_folder.ADAPTER_WEIGHTS)
     assert tensors and all("lora_" in name for name in tensors)  # no base weight is written
     assert sync.last_bytes < (calc_model / "model.safetensors").stat().st_size / 4
-    assert lora_engine.adapter_name == "policy-v1" and lora_engine.policy_version == 1
-    assert served(lora_engine) == served_before | {"policy-v1"}
+    assert lora_engine.adapter_name == "policy-lora" and lora_engine.policy_version == 1
+    assert served(lora_engine) == served_before | {"policy-lora"}
 
-    adapted_answer = greedy(lora_engine, "policy-v1")
+    adapted_answer = greedy(lora_engine, "policy-lora")
     assert adapted_answer != base_answer  # the engine's answers follow the adapter
     assert greedy(lora_engine, lora_engine.served_model_name) == base_answer  # the base never moved
     assert max_logprob_gap(lora_engine, policy.model.eval()) < 1e-3
 
-    # Every version a new name, the previous one unloaded: max_loras=1 never runs out.
+    # Every version reloaded in place under the one name: max_loras=1 never runs out.
     for version in range(2, 6):
         perturb_adapter(policy, seed=version)
         asyncio.run(sync.sync(policy, version))
-        assert served(lora_engine) == served_before | {f"policy-v{version}"}
-        assert [p.name for p in (tmp_path / "adapters").iterdir()] == [f"v{version}"]
-    assert greedy(lora_engine, "policy-v5") != adapted_answer
+        assert served(lora_engine) == served_before | {"policy-lora"}
+        assert [p.name for p in (tmp_path / "adapters").glob("v*")] == [f"v{version}"]
+    assert greedy(lora_engine, "policy-lora") != adapted_answer
     assert max_logprob_gap(lora_engine, policy.model.eval()) < 1e-3
 
 
@@ -147,16 +147,16 @@ async def test_the_gateway_sends_every_call_to_the_current_adapter(lora_engine, 
             reply = httpx.post(url, json={**body, "max_tokens": 16}, headers=headers, timeout=120)
             assert reply.status_code == 200, reply.text
             event = admin.get(f"/api/rollouts/{rid}/events").json()[-1]["data"]
-            assert event["policy_version"] == 7 and event["model"] == "policy-v7"
-            assert event["response_token_ids"] == greedy(lora_engine, "policy-v7")
+            assert event["policy_version"] == 7 and event["model"] == "policy-lora"
+            assert event["response_token_ids"] == greedy(lora_engine, "policy-lora")
 
             perturb_adapter(policy, seed=12)
             await sync.sync(policy, 8)
             reply = httpx.post(url, json={**body, "max_tokens": 16}, headers=headers, timeout=120)
             assert reply.status_code == 200, reply.text
             event = admin.get(f"/api/rollouts/{rid}/events").json()[-1]["data"]
-            assert event["policy_version"] == 8 and event["model"] == "policy-v8"
-            assert event["response_token_ids"] == greedy(lora_engine, "policy-v8")
+            assert event["policy_version"] == 8 and event["model"] == "policy-lora"
+            assert event["response_token_ids"] == greedy(lora_engine, "policy-lora")
         finally:
             lora_engine.gateway_url = None
 
@@ -165,10 +165,10 @@ def test_a_restarted_engine_serves_the_adapter_it_served(lora_engine, calc_model
     policy = Actor.load(calc_model, ActorSettings.from_config(config))
     perturb_adapter(policy, seed=21)
     asyncio.run(EngineAdapterSync([lora_engine], tmp_path / "adapters").sync(policy, 9))
-    answer = greedy(lora_engine, "policy-v9")
+    answer = greedy(lora_engine, "policy-lora")
     asyncio.run(lora_engine.restart())
-    assert lora_engine.adapter_name == "policy-v9" and "policy-v9" in served(lora_engine)
-    assert greedy(lora_engine, "policy-v9") == answer
+    assert lora_engine.adapter_name == "policy-lora" and "policy-lora" in served(lora_engine)
+    assert greedy(lora_engine, "policy-lora") == answer
 
 
 def test_a_whole_weights_load_makes_the_base_the_policy_again(lora_engine, calc_model: Path):
@@ -195,13 +195,13 @@ def test_a_lora_run_trains_resumes_and_exports(lora_engine, calc_model, tmp_path
     step_2 = run / "checkpoints" / "step_2" / "model"
     assert {p.name for p in step_2.iterdir()} >= {adapter_folder.ADAPTER_CONFIG, adapter_folder.ADAPTER_WEIGHTS}
     assert not (step_2 / "model.safetensors").exists()
-    assert lora_engine.adapter_name == "policy-v2"
+    assert lora_engine.adapter_name == "policy-lora"
     [node_adapters] = (run / "weights").iterdir()
     assert [p.name for p in node_adapters.iterdir()] == ["v2"]  # only the served version is kept
 
     train, _ = train_briefly(calc, tmp_path, calc_model, "lora", 3, *small, "resume=true", engine=lora_engine)
     assert train[-1]["policy/version"] == 2  # the resumed step starts from the saved version
-    assert lora_engine.adapter_name == "policy-v3"
+    assert lora_engine.adapter_name == "policy-lora"
     step_3 = run / "checkpoints" / "step_3"
     assert main(["model", "merge", str(step_3), "--out", str(tmp_path / "merged")]) == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
@@ -243,30 +243,30 @@ async def test_two_policies_are_served_by_one_engine_and_picked_by_model(lora_en
         try:
             await sync.sync(policy, 1)
             assert set(adapter_folder.policy_adapters(tmp_path / "adapters" / "v1")) == {"planner", "solver"}
-            assert lora_engine.policies == {"planner": "planner-v1", "solver": "solver-v1"}
-            assert served(lora_engine) >= {"planner-v1", "solver-v1"}
-            planner, solver = greedy(lora_engine, "planner-v1"), greedy(lora_engine, "solver-v1")
+            assert lora_engine.policies == {"planner": "planner-lora", "solver": "solver-lora"}
+            assert served(lora_engine) >= {"planner-lora", "solver-lora"}
+            planner, solver = greedy(lora_engine, "planner-lora"), greedy(lora_engine, "solver-lora")
             assert planner != solver  # two adapters, two policies
             lora.activate(policy.model, "planner")
-            assert max_logprob_gap(lora_engine, policy.model.eval(), "planner-v1") < 1e-3
+            assert max_logprob_gap(lora_engine, policy.model.eval(), "planner-lora") < 1e-3
 
             admin = httpx.Client(base_url=gateway.url, headers={"x-api-key": ADMIN_KEY}, timeout=60)
             for name, answer in (("planner", planner), ("solver", solver)):
                 reply, event = gateway_call(gateway.url, admin, name)
                 assert reply.status_code == 200, reply.text
-                assert event["model"] == f"{name}-v1" and event["policy"] == name
+                assert event["model"] == f"{name}-lora" and event["policy"] == name
                 assert event["response_token_ids"] == answer
             reply, _ = gateway_call(gateway.url, admin, "critic")
             assert reply.status_code == 404 and "planner" in reply.json()["reason"]
 
-            # The next version replaces both; the old names are unloaded.
+            # The next version replaces both in place, under the same names.
             for seed, name in ((33, "planner"), (34, "solver")):
                 perturb_adapter(policy, seed, name)
             await sync.sync(policy, 2)
-            now = served(lora_engine)
-            assert {"planner-v2", "solver-v2"} <= now and not {"planner-v1", "solver-v1"} & now
+            assert {"planner-lora", "solver-lora"} <= served(lora_engine)
+            assert greedy(lora_engine, "planner-lora") != planner
             reply, event = gateway_call(gateway.url, admin, "solver")
-            assert event["model"] == "solver-v2" and event["policy_version"] == 2
+            assert event["model"] == "solver-lora" and event["policy_version"] == 2
         finally:
             lora_engine.gateway_url = None
 
@@ -300,5 +300,77 @@ def test_the_two_role_example_trains_each_role_on_its_own_calls(lora_engine, cal
     assert any(len(roles_) > 1 for roles_ in calls.values())  # the solver answered too
     checkpoint = run / "checkpoints" / "step_2"
     assert set(adapter_folder.policy_adapters(checkpoint / "model")) == {"planner", "solver"}
-    assert lora_engine.policies == {"planner": "planner-v2", "solver": "solver-v2"}
+    assert lora_engine.policies == {"planner": "planner-lora", "solver": "solver-lora"}
     assert main(["model", "merge", str(checkpoint), "--policy", "planner", "--out", str(tmp_path / "planner")]) == 0
+
+
+def peft_adapter(calc_model: Path, folder: Path, seed: int) -> Path:
+    """A rank-8 adapter of random update, saved as PEFT saves it (what a sync writes)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(calc_model), LoraConfig(r=RANK, lora_alpha=16, target_modules="all-linear")
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=gen) * 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+async def test_a_call_across_an_adapter_load_goes_on_with_the_new_adapter(lora_engine, calc_model, tmp_path):
+    """LoRA with partial rollout: the engine freezes the call, reloads the adapter in place under
+    its one name, drops the KV cache, and the call goes on with the new adapter; the gateway
+    records where its tokens change version."""
+    from tests.engine.test_partial_rollout import (
+        BUSY,
+        SETTINGS,
+        InThread,
+        agent,
+        busy,
+        generated_tokens,
+        in_flight,
+        recorded,
+        rollout,
+        split,
+        wait_generated,
+    )
+
+    first, second = peft_adapter(calc_model, tmp_path / "a", 21), peft_adapter(calc_model, tmp_path / "b", 22)
+    await lora_engine.load_adapter(first, version=40)
+    with GatewayThread(SETTINGS, admin_key=ADMIN_KEY) as gateway:
+        lora_engine.keep_requests = True
+        lora_engine.attach_gateway(gateway.url, ADMIN_KEY)
+        try:
+            await lora_engine.register_with_gateway(gateway.url, ADMIN_KEY)
+            admin, rid, base = rollout(gateway)
+            with busy(lora_engine):
+                wait_generated(lora_engine, generated_tokens(lora_engine), BUSY * 4, None)
+                call = InThread(
+                    lambda: agent(rid, base).completions.create(
+                        model="any", prompt="The north door", max_tokens=200, extra_body={"ignore_eos": True}
+                    )
+                )
+                call.start()
+                in_flight(admin, call)
+                wait_generated(lora_engine, generated_tokens(lora_engine), 20 * (BUSY + 1), call)
+                assert await lora_engine.load_adapter(second, version=41) == "policy-lora"
+                reply = call.value()
+            [record] = recorded(admin, rid)
+            k = split(record, 40)
+            ids, prompt = record["response_token_ids"], record["prompt_token_ids"]
+            assert reply.choices[0].model_extra["token_ids"] == ids and record["model"] == "policy-lora"
+            # After the load the tokens are the new adapter's greedy continuation.
+            fresh = httpx.post(
+                f"{lora_engine.base_url}/completions",
+                json={"model": "policy-lora", "prompt": prompt + ids[:k], "max_tokens": len(ids) - k, "temperature": 0}
+                | {"ignore_eos": True, "return_token_ids": True},
+                timeout=300,
+            ).json()
+            assert fresh["choices"][0]["token_ids"] == ids[k:]
+        finally:
+            lora_engine.keep_requests = False
+            lora_engine.gateway_url = None
