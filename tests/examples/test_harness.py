@@ -9,6 +9,7 @@ with the tools), and the Agents SDK agent and Claude Code run by the controller,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from pathlib import Path
@@ -21,13 +22,18 @@ import pytest
 from transformers import AutoTokenizer
 
 from examples.harness import prepare as harness
+from examples.harness.capture import Script, scripted_engine
 from examples.harness.harnesses import CLAUDE_MOUNT, INSTRUCTIONS
-from examples.harness.task import make_tasks, notes_text, prompt, score
+from examples.harness.task import NOTES, make_tasks, notes_text, prompt, score
 from rollover.config import load_config
+from rollover.controller import Controller
+from rollover.gateway.client import GatewayClient
 from rollover.gateway.keys import scoped_key
 from rollover.gateway.server import GatewayThread
+from rollover.store.models import RolloutCreate, RolloutState
 from rollover.training.data import write_tasks
 from tests.conftest import ADMIN_KEY
+from tests.controller.conftest import make_config, wait_for_rollout
 from tests.runs import train_briefly
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,11 +61,22 @@ def test_score_and_tasks():
 # -- the harnesses against the gateway and a scripted engine (no vLLM) ----------------------
 
 
-def test_claude_code_runs_unchanged_through_the_gateway():
+@pytest.fixture(scope="module")
+def claude_capture() -> list[dict[str, Any]]:
+    """What the model build captures of Claude Code (run outside the sandbox)."""
+    return harness.capture_claude_code()
+
+
+@pytest.fixture(scope="module")
+def agents_sdk_capture() -> list[dict[str, Any]]:
+    return harness.capture_agents_sdk()
+
+
+def test_claude_code_runs_unchanged_through_the_gateway(claude_capture):
     """Claude Code 2.1.332 in print mode finds the gateway through ANTHROPIC_BASE_URL alone; its
     streamed calls arrive at the engine as chat requests with its 12 tools and its system
     prompt, and the Read call the engine answers runs and comes back as a tool result."""
-    first, second = harness.capture_claude_code()
+    first, second = claude_capture
     assert len(first["tools"]) >= 10 and "Read" in {t["function"]["name"] for t in first["tools"]}
     assert first["stream"] is True and first["messages"][0]["role"] == "system"
     assert [m["role"] for m in second["messages"][-2:]] == ["assistant", "tool"]
@@ -69,10 +86,10 @@ def test_claude_code_runs_unchanged_through_the_gateway():
     assert second["messages"][:-2] == first["messages"]  # the second turn extends the first
 
 
-def test_the_agents_sdk_runs_unchanged_through_the_gateway():
+def test_the_agents_sdk_runs_unchanged_through_the_gateway(agents_sdk_capture):
     """The Agents SDK's default model calls the Responses API at OPENAI_BASE_URL; the function
     tool's call and output come back to the engine as chat turns."""
-    first, second = harness.capture_agents_sdk()
+    first, second = agents_sdk_capture
     assert [t["function"]["name"] for t in first["tools"]] == ["read_file"]
     assert first["messages"] == [
         {"role": "system", "content": INSTRUCTIONS},
@@ -85,8 +102,50 @@ def test_the_agents_sdk_runs_unchanged_through_the_gateway():
     }
 
 
-def test_transcripts_swap_the_task_and_keep_the_harness_text():
-    requests = harness.capture_agents_sdk()
+async def _run_in_the_sandbox(agent_class: str, script: Script, task: dict[str, Any], log_dir: Path) -> list[float]:
+    """One rollout of `agent_class` on `task`, run by the controller in the agent sandbox (the
+    default) against the gateway and `script`'s engine; the rollout's rewards."""
+    with scripted_engine(script) as engine, GatewayThread(store=":memory:", admin_key=ADMIN_KEY) as gateway:
+        async with GatewayClient(gateway.url, ADMIN_KEY) as client:
+            await client.register_models([{"model": "policy", "endpoint": engine}])
+            config = make_config(local={"agent_class": agent_class})
+            assert config.local.sandbox
+            async with Controller(config, client, log_dir=log_dir, poll_interval=0.1):
+                [rollout] = await client.enqueue([RolloutCreate(input=task)])
+                done = await wait_for_rollout(client, rollout.rollout_id, timeout=240)
+            logs = "".join(p.read_text(errors="replace")[-3000:] for p in log_dir.rglob("*") if p.is_file())
+            assert done.state == RolloutState.SUCCEEDED, (done.status, logs)
+            return [e.data["value"] for e in await client.events(rollout.rollout_id, event_type="reward")]
+
+
+@pytest.mark.parametrize(
+    ("capture", "agent_class", "tool", "arguments"),
+    [
+        ("claude_capture", "examples.harness.agent.ClaudeCodeAgent", "Read", {"file_path": str(CLAUDE_MOUNT / NOTES)}),
+        ("agents_sdk_capture", "examples.harness.agent.AgentsSdkAgent", "read_file", {"path": NOTES}),
+    ],
+    ids=["claude_code", "agents_sdk"],
+)
+def test_in_the_sandbox_the_harnesses_send_the_prompts_the_model_learnt(
+    request, tmp_path, capture: str, agent_class: str, tool: str, arguments: dict[str, str]
+) -> None:
+    """Run by the controller in bubblewrap's sandbox (its private /tmp, the bridge to the
+    gateway, the allowlisted environment), each harness reads the task's file, earns reward 1
+    from the scripted engine's answer, and sends the engine exactly the prompts the model build
+    captures outside the sandbox: what the warm-up teaches is what sandboxed agents send (for
+    Claude Code, its folder at the one fixed path through `unshare` inside the sandbox)."""
+    captured = request.getfixturevalue(capture)
+    script = Script(tool, arguments, harness.answer(harness.CAPTURE_TASK))
+    rewards = asyncio.run(_run_in_the_sandbox(agent_class, script, harness.CAPTURE_TASK, tmp_path / "logs"))
+    assert rewards == [1.0]
+    assert len(script.requests) == len(captured) == 2
+    for sent, learnt in zip(script.requests, captured):
+        assert sent["messages"] == learnt["messages"] and sent["tools"] == learnt["tools"]
+    assert "The secret code is 7311." in script.requests[1]["messages"][-1]["content"]  # the tool read the file
+
+
+def test_transcripts_swap_the_task_and_keep_the_harness_text(agents_sdk_capture):
+    requests = agents_sdk_capture
     chats = harness.transcripts(requests, 40, seed=3)
     tasks = make_tasks(40, seed=3)
     hedged = 0
