@@ -304,6 +304,9 @@ class ModelEndpoint(_Wire):
     # of its call, and a call asking for no policy of these is refused (404). Empty: one policy,
     # every call goes to `model` whatever the agent asked for.
     policies: dict[ServedName, ServedName] = Field(default_factory=dict)
+    # Images the engine takes in one prompt (vLLM's --limit-mm-per-prompt); 0: a text-only
+    # model, and the proxy refuses any call with an image (400).
+    max_images: int = Field(0, ge=0, le=MAX_INT64)
 
     @field_validator("endpoint")
     @classmethod
@@ -312,11 +315,14 @@ class ModelEndpoint(_Wire):
 
     @model_serializer(mode="wrap")
     def _one_policy_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """No `policies` key when there are none: a run of one policy answers and persists its
-        registry exactly as before policies existed (read back, the default is the same)."""
+        """No `policies` key when there are none, no `max_images` when it takes none: a text
+        model's run of one policy answers and persists its registry exactly as before these
+        existed (read back, the defaults are the same)."""
         dumped: dict[str, Any] = handler(self)
         if not self.policies:
             dumped.pop("policies", None)
+        if not self.max_images:
+            dumped.pop("max_images", None)
         return dumped
 
     @computed_field  # type: ignore[prop-decorator]
