@@ -127,6 +127,11 @@ class RolloutConfig(Section):
     max_num_batched_tokens: int | None = Field(
         default=None, gt=0, description="vLLM tokens per scheduler step; null = vLLM's default"
     )
+    limit_images: int | None = Field(
+        default=None,
+        ge=0,
+        description="images per prompt a vision-language model's engine takes (vLLM's --limit-mm-per-prompt; the gateway refuses more with 400); null = 4",
+    )
     engine_args: list[str] = Field(
         default=[], description="extra vLLM server arguments (not --api-key: Rollover closes its engines itself)"
     )

@@ -44,6 +44,7 @@ def node_engines(config: RolloverConfig, model_path: str | Path, run_dir: Path, 
                 device="cuda" if device == "cuda" else "cpu",
                 env=env,
                 keep_requests=config.agentlightning.async_rollout.partial_rollout,
+                limit_images=rollout.limit_images,
             )
         )
     return engines
