@@ -147,9 +147,11 @@ async def _run(
     from rollover.metrics import MetricsLogger
     from rollover.metrics.console import LiveConsole, RunSummary
     from rollover.training.data import read_tasks
+    from rollover.training.images import SampleImages
     from rollover.training.policy import Policy
     from rollover.training.settings import TrainerSettings
     from rollover.training.trainer import Trainer
+    from rollover.vision.model import takes_images
 
     trainer_settings = TrainerSettings.from_config(config)  # its rules checked before anything starts
     train_tasks = read_tasks(_required(config.data.train_files, "data.train_files"))
@@ -221,6 +223,7 @@ async def _run(
                 metrics=metrics,
                 run_dir=run_dir,
                 world_size=world.size,
+                images=SampleImages(model_path, client.image) if takes_images(model_path) else None,
             )
             if live is not None:
                 trainer.progress = policy.progress = live

@@ -48,6 +48,10 @@ class ModelConfig(Section):
     exclude_modules: str | list[str] | None = Field(
         default=None, description="LoRA: modules left unadapted, a list of names or a regex; null = none"
     )
+    freeze_vision_tower: bool = Field(
+        default=False,
+        description="a vision-language model's vision tower is not trained (verl's key); with LoRA it never is: adapters go on the language model only",
+    )
     lora_adapter_path: str | None = Field(
         default=None,
         description="LoRA: start from this PEFT adapter folder (its own rank, alpha and modules; lora_rank > 0 turns LoRA on); null = a fresh adapter",

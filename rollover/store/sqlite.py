@@ -42,6 +42,7 @@ from rollover.store.models import (
     TerminalRolloutsPage,
     Triplet,
     TripletBundle,
+    image_hashes,
     new_rollout_id,
 )
 from rollover.store.rewards import attribute_rewards
@@ -496,6 +497,7 @@ class RolloutStore:
                         policy=policy if isinstance(policy, str) else None,
                         call_id=call_id if isinstance(call_id, str) else None,
                         reward=rewards.per_call.get(event.event_id),
+                        images=list(image_hashes(data)) or None,
                     )
                     for position, choice in enumerate(choices)
                     if isinstance(choice, dict) and choice.get("response_token_ids") is not None

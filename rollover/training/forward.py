@@ -59,7 +59,14 @@ def per_sample_logprobs(
             indices = mine[position] if position < len(mine) else []
             chunk = [samples[i] for i in indices] or [samples[0]]  # a stand-in keeps FSDP's gathers in step
             batch = {k: v.to(device) for k, v in collate(chunk, pad_token_id).items()}
-            logprobs = token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature=temperature)
+            logprobs = token_logprobs(
+                model,
+                batch["input_ids"],
+                batch["attention_mask"],
+                temperature=temperature,
+                pixel_values=batch.get("pixel_values"),
+                image_grid_thw=batch.get("image_grid_thw"),
+            )
             for row, index in enumerate(indices):
                 computed[index] = logprobs[row, : len(samples[index]) - 1].cpu()
     model.train(was_training)

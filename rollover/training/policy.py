@@ -49,6 +49,7 @@ from rollover.training.loss.kl import kl_estimate
 from rollover.training.loss.policy import POLICY_LOSSES, ClipRange, PolicyLossInputs
 from rollover.training.reference import AdapterOffReference, ReferencePolicy
 from rollover.training.samples import RolloutScore, Sample, UpdateBatch, collate, pad_rows
+from rollover.vision.model import auto_model_class, freeze_vision_tower
 
 
 def pick_device(setting: str) -> torch.device:
@@ -101,14 +102,16 @@ class Policy:
     lr_scales: tuple[float, ...] = (1.0,)  # each optimizer parameter group's lr / the actor's
 
     def __init__(self, model_path: str | Path, config: RolloverConfig, world: World | None = None) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.config = config
         self.world = world or World()
         self.device = self.world.device(config.trainer.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)  # type: ignore[arg-type]
+        model = auto_model_class(model_path).from_pretrained(model_path, dtype=torch.float32).to(self.device)
         model.config.use_cache = False
+        if config.actor_rollout_ref.model.freeze_vision_tower:
+            freeze_vision_tower(model)
         if config.actor_rollout_ref.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.lora = config.actor_rollout_ref.model.lora
@@ -536,6 +539,8 @@ class Policy:
             self._temperature,
             entropy_chunk_size=fsdp.entropy_chunk_size if fsdp.entropy_from_logits_with_chunking else None,
             entropy_grad=actor.entropy_coeff > 0,
+            pixel_values=t.get("pixel_values"),
+            image_grid_thw=t.get("image_grid_thw"),
         )
         old = pad_rows([p.old for p in part], width, device=self.device)
         behaviour = t["behaviour_logprobs"]

@@ -19,6 +19,22 @@ def takes_images(model_dir: str | Path) -> bool:
     return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
 
 
+def freeze_vision_tower(model: Any) -> int:
+    """Stop training the model's vision tower (`actor_rollout_ref.model.freeze_vision_tower`):
+    its parameters need no gradient and get no optimizer state. Returns how many were frozen;
+    a model with none (a text model) is refused, since the key would then mean nothing."""
+    frozen = 0
+    for name, parameter in model.named_parameters():
+        if ".visual." in f".{name}":
+            parameter.requires_grad_(False)
+            frozen += 1
+    if frozen == 0:
+        raise ValueError(
+            "actor_rollout_ref.model.freeze_vision_tower is set but the model has no vision tower (a text model)"
+        )
+    return frozen
+
+
 def auto_model_class(model_dir: str | Path) -> Any:
     """The transformers auto class for the folder's model."""
     if takes_images(model_dir):
