@@ -43,7 +43,7 @@ def warmup_transcripts(count: int = 3000) -> list[list[dict]]:
     ]
 
 
-def tiny_vision_calc_model(out: Path) -> Path:
+def tiny_vision_calc_model(out: Path, steps: int = WARMUP_STEPS) -> Path:
     if (out / "config.json").exists():
         return out
     from rollover.modelzoo.tiny_vl import build_tiny_vl_model
@@ -53,5 +53,5 @@ def tiny_vision_calc_model(out: Path) -> Path:
     if not (base / "config.json").exists():
         build_tiny_vl_model(base, seed=0, max_image_tokens=16)
     # One thread: measured 8-12x faster than two for a tiny model on shared cores (warmup.py).
-    sft_warmup(base, warmup_transcripts(), out, steps=WARMUP_STEPS, lr=3e-3, batch_size=16, seed=0, num_threads=1)
+    sft_warmup(base, warmup_transcripts(), out, steps=steps, lr=3e-3, batch_size=16, seed=0, num_threads=1)
     return out

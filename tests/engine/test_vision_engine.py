@@ -6,6 +6,7 @@ gives the engine's logprobs of the response to < 1e-3."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 from pathlib import Path
@@ -17,8 +18,7 @@ from PIL import Image, ImageDraw
 
 from rollover.gateway.keys import scoped_key
 from rollover.gateway.server import GatewayThread
-from rollover.modelzoo.tiny_vl import IMAGE_PAD, build_tiny_vl_model
-from rollover.testing.engine import start_test_engine
+from rollover.modelzoo.tiny_vl import IMAGE_PAD
 from rollover.vision.inputs import image_runs, load_image_processor, pixel_inputs, position_ids
 from tests.conftest import ADMIN_KEY
 
@@ -34,19 +34,10 @@ def picture(text: str, size: tuple[int, int]) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-vl")
-    model = build_tiny_vl_model(folder / "model", max_image_tokens=16)
-    engine = start_test_engine(model, log_path=folder / "vllm.log", limit_images=2)
-    try:
-        with GatewayThread(admin_key=ADMIN_KEY) as gateway:
-            engine.policy_version = 0
-            import asyncio
-
-            asyncio.run(engine.register_with_gateway(gateway.url, ADMIN_KEY))
-            yield model, engine, gateway
-    finally:
-        engine.stop()
+def served(vision_model, vision_engine):
+    with GatewayThread(admin_key=ADMIN_KEY) as gateway:
+        asyncio.run(vision_engine.register_with_gateway(gateway.url, ADMIN_KEY))
+        yield vision_model, vision_engine, gateway
 
 
 def test_an_image_call_through_the_gateway_is_recorded_as_the_engine_expanded_it(served) -> None:

@@ -61,14 +61,17 @@ def test_the_agent_lightning_style_agent_sends_its_picture_through_the_gateway(m
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_two_training_steps_on_pictures(tmp_path, monkeypatch) -> None:
-    """The whole system: the setup hook builds and (briefly) warms up the tiny Qwen2-VL, vLLM
-    serves it, agents send their pictures, and two updates train on them."""
-    monkeypatch.setenv("ROLLOVER_VISION_CALC_WARMUP_STEPS", "30")
+def test_two_training_steps_on_pictures(tmp_path, monkeypatch, vision_model, vision_engine) -> None:
+    """The whole system: vLLM serves the (briefly warmed up) tiny Qwen2-VL, agents send their
+    pictures, two updates train on them and their weights reach the engine."""
+    from rollover.testing.engine import restore_weights
+
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     config = load_config(
         CONFIG,
         [
+            f"actor_rollout_ref.model.path={vision_model}",
+            "actor_rollout_ref.rollout.limit_images=2",
             f"trainer.default_local_dir={tmp_path}",
             "trainer.experiment_name=vc",
             "trainer.total_training_steps=2",
@@ -77,7 +80,10 @@ def test_two_training_steps_on_pictures(tmp_path, monkeypatch) -> None:
             "algorithm.filter_groups.enable=false",
         ],
     )
-    assert run_training(config) == 0
+    try:
+        assert run_training(config, engine=vision_engine) == 0
+    finally:
+        restore_weights(vision_engine, vision_model)
     rows = [r for r in read_jsonl(tmp_path / "vc" / "metrics.jsonl") if "training/async/n_completed_rollouts" in r]
     assert len(rows) == 2
     for row in rows:
