@@ -49,7 +49,7 @@ from rollover.training.loss.kl import kl_estimate
 from rollover.training.loss.policy import POLICY_LOSSES, ClipRange, PolicyLossInputs
 from rollover.training.reference import AdapterOffReference, ReferencePolicy
 from rollover.training.samples import RolloutScore, Sample, UpdateBatch, collate, pad_rows
-from rollover.vision.model import auto_model_class, freeze_vision_tower
+from rollover.vision.model import auto_model_class, copy_processor, freeze_vision_tower
 
 
 def pick_device(setting: str) -> torch.device:
@@ -105,6 +105,7 @@ class Policy:
         from transformers import AutoTokenizer
 
         self.config = config
+        self.model_path = Path(model_path)
         self.world = world or World()
         self.device = self.world.device(config.trainer.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -182,10 +183,12 @@ class Policy:
             self.save_adapter(directory, write=self.world.is_leader)
             if self.world.is_leader:
                 self.tokenizer.save_pretrained(directory)
+                copy_processor(self.model_path, directory)
             return directory
         if not self.world.distributed:
             self.model.save_pretrained(directory, safe_serialization=True)
             self.tokenizer.save_pretrained(directory)
+            copy_processor(self.model_path, directory)
             return directory
         weights = self.full_state_dict(keep=self.world.is_leader)
         if self.world.is_leader:
@@ -195,6 +198,7 @@ class Policy:
             save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
             self.model.config.save_pretrained(directory)
             self.tokenizer.save_pretrained(directory)
+            copy_processor(self.model_path, directory)
         return directory
 
     def save_training_state(self, directory: str | Path) -> None:

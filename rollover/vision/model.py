@@ -35,6 +35,21 @@ def freeze_vision_tower(model: Any) -> int:
     return frozen
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def copy_processor(model_dir: str | Path, out_dir: str | Path) -> None:
+    """The model folder's image processor settings into a folder the model is saved to (a
+    checkpoint, the final model): a run resumed or served from there reads images the same way."""
+    import shutil
+
+    for name in PROCESSOR_FILES:
+        source = Path(model_dir) / name
+        if source.is_file() and source.resolve() != (Path(out_dir) / name).resolve():
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, Path(out_dir) / name)
+
+
 def auto_model_class(model_dir: str | Path) -> Any:
     """The transformers auto class for the folder's model."""
     if takes_images(model_dir):

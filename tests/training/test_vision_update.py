@@ -191,3 +191,10 @@ def test_samples_get_their_pixels_and_mismatched_ones_are_dropped(model_dir: Pat
 async def _fetched(sha: str) -> bytes:
     assert sha == "x"
     return picture("x")
+
+
+def test_a_saved_model_keeps_its_image_processor(model_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint (or the final model) reads images as the run did: resumed or served from it."""
+    saved = policy_of(model_dir).save(tmp_path / "step_1" / "model")
+    assert (saved / "preprocessor_config.json").read_text() == (model_dir / "preprocessor_config.json").read_text()
+    assert load_image_processor(saved).merge_size == 2
