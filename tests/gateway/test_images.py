@@ -304,3 +304,22 @@ def test_previous_response_id_continues_with_the_earlier_image_after_a_restart(t
             assert second.status_code == 200, second.text
         sent = stub.behaviour.requests[-1]
         assert sent["messages"][0]["content"] == [{"type": "image_url", "image_url": {"url": image_url}}]
+
+
+@pytest.mark.parametrize("route", ["chat", "anthropic"])
+def test_a_streamed_call_records_its_images_too(served, route: str) -> None:
+    rid = running_rollout(served.admin)
+    image = png(color="yellow")
+    if route == "chat":
+        body = chat(data_url(image)) | {"stream": True}
+    else:
+        block = {
+            "type": "image",
+            "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(image).decode()},
+        }
+        body = {"model": "policy", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": [block]}]}
+    response = served.post(rid, body, route)
+    assert response.status_code == 200 and "data:" in response.text
+    [record] = served.records(rid)
+    assert record["images"][0]["bytes"] == len(image) and len(served.stored_images()) == 1
+    assert base64.b64encode(image).decode()[:40] not in str(record)
