@@ -198,3 +198,16 @@ def test_a_saved_model_keeps_its_image_processor(model_dir: Path, tmp_path: Path
     saved = policy_of(model_dir).save(tmp_path / "step_1" / "model")
     assert (saved / "preprocessor_config.json").read_text() == (model_dir / "preprocessor_config.json").read_text()
     assert load_image_processor(saved).merge_size == 2
+
+
+def test_a_sample_reads_the_same_alone_and_in_a_padded_batch(model_dir: Path) -> None:
+    """Rows of other lengths, with and without pictures, change nothing of a sample's logprobs:
+    its images go to its own placeholders, its positions ignore the padding."""
+    policy = policy_of(model_dir)
+    first = image_sample(policy, model_dir, picture("7"), 1.0, "a")
+    text_only = Sample("t", "g", first.input_ids[:3] + [5] * 30, [0, 0, 0] + [1] * 30, [0.0] * 33, [0] * 33, 0.0)
+    second = image_sample(policy, model_dir, picture("2", "black"), 0.0, "b")
+    alone = [response_logprobs(policy, [s])[0] for s in (first, text_only, second)]
+    together = response_logprobs(policy, [first, text_only, second])
+    for one, batched in zip(alone, together):
+        assert torch.allclose(one, batched, atol=1e-5)
