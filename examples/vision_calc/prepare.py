@@ -14,10 +14,11 @@ from rollover.training.data import default_task_files
 
 TRAIN_SIZE, VAL_SIZE = 2000, 128
 WARMUP_STEPS = int(os.environ.get("ROLLOVER_VISION_CALC_WARMUP_STEPS", "800"))
+WARMUP_LR = float(os.environ.get("ROLLOVER_VISION_CALC_WARMUP_LR", "3e-3"))
 # As in the calc example: the warm-up always reads the image and uses the calculator, but 60% of
 # its transcripts end in prose the grader does not accept, so RL has the protocol to learn.
 PROSE_FRACTION = 0.6
-MODEL_NAME = f"tiny-vl-warm{WARMUP_STEPS}-prose{round(PROSE_FRACTION * 100)}"
+MODEL_NAME = f"tiny-vl-warm{WARMUP_STEPS}-lr{WARMUP_LR:g}-prose{round(PROSE_FRACTION * 100)}"
 
 
 def prepare(config: RolloverConfig) -> RolloverConfig:
@@ -53,5 +54,5 @@ def tiny_vision_calc_model(out: Path, steps: int = WARMUP_STEPS) -> Path:
     if not (base / "config.json").exists():
         build_tiny_vl_model(base, seed=0, max_image_tokens=16)
     # One thread: measured 8-12x faster than two for a tiny model on shared cores (warmup.py).
-    sft_warmup(base, warmup_transcripts(), out, steps=steps, lr=3e-3, batch_size=16, seed=0, num_threads=1)
+    sft_warmup(base, warmup_transcripts(), out, steps=steps, lr=WARMUP_LR, batch_size=16, seed=0, num_threads=1)
     return out
