@@ -130,7 +130,10 @@ def test_each_call_shows_its_images(tmp_path):
         asyncio.run(add(store))
     finally:
         store.close()
-    with ViewerThread(RunFolder(run_dir)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+    with (
+        ViewerThread(RunFolder(run_dir), key="k") as server,
+        httpx.Client(base_url=server.url, timeout=30, headers={"x-api-key": "k"}) as http,
+    ):
         [call] = http.get("api/rollouts/r-img").json()["calls"]
         assert call["images"] == [image]
         assert call["messages"] == [message]  # the page turns the reference into the picture
