@@ -89,7 +89,14 @@ def test_the_modes_train_what_they_say(updates) -> None:
     from safetensors.torch import load_file
 
     model_dir, folders = updates
-    start = load_file(str(model_dir / "model.safetensors"))
+    # The file keeps Qwen2-VL's checkpoint names (`visual.*`, `model.layers.*`); the model in
+    # memory, transformers 5's (`model.visual.*`, `model.language_model.*`).
+    start = {
+        name.replace("visual.", "model.visual.", 1)
+        if name.startswith("visual.")
+        else name.replace("model.", "model.language_model.", 1): tensor
+        for name, tensor in load_file(str(model_dir / "model.safetensors")).items()
+    }
     trained, frozen = (torch.load(folders[2] / f"{m}.pt", weights_only=True) for m in ("trained", "frozen"))
 
     def moved(weights: dict[str, torch.Tensor], part: str) -> bool:
