@@ -7,6 +7,11 @@ memory. On a GPU machine the ranks use NCCL and bf16 (the `auto` mixed precision
 and float32, each rank a process (torch's launcher gives each one thread).
 
     python benchmarks/train_step.py [--ranks 1,2] [--model tiny|PATH] [--samples 32] [--length 256]
+
+`--workload vision`: the tiny Qwen2-VL (built locally), each sample one picture of
+`--image-size` pixels square (its tokens in the prompt, its pixels through the model's processor),
+and each rank count run twice: the vision tower trained, and frozen
+(`actor_rollout_ref.model.freeze_vision_tower`).
 """
 
 from __future__ import annotations
@@ -68,6 +73,41 @@ def synthetic_batch(n: int, length: int, vocab: int, seed: int = 0) -> Any:
     return UpdateBatch(samples, [RolloutScore(s.rollout_id, s.group_id, s.reward) for s in samples])
 
 
+def build_tiny_vl(folder: Path, hidden: int, layers: int, image_size: int) -> Path:
+    from rollover.modelzoo.tiny_vl import PIXELS_PER_TOKEN, build_tiny_vl_model
+
+    if (folder / "config.json").is_file():
+        return folder
+    tokens = max(1, image_size * image_size // PIXELS_PER_TOKEN)
+    return build_tiny_vl_model(folder, hidden_size=hidden, num_layers=layers, max_image_tokens=tokens)
+
+
+def with_images(batch: Any, model: str, image_size: int, seed: int = 0) -> Any:
+    """Each sample with one random picture: its placeholder tokens at the start of the prompt
+    (as many as the model's processor makes of it) and its pixels."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from rollover.vision.inputs import load_image_processor, pixel_inputs
+
+    processor = load_image_processor(model)
+    image_id = int(json.loads((Path(model) / "config.json").read_text())["image_token_id"])
+    rng = np.random.default_rng(seed)
+    for index, sample in enumerate(batch.samples):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (image_size, image_size, 3), dtype=np.uint8)).save(buffer, "PNG")
+        pixels = pixel_inputs(processor, [buffer.getvalue()])
+        n = pixels.tokens[0]
+        sample.input_ids = [sample.input_ids[0], *[image_id] * n, *sample.input_ids[1:]]
+        for name, fill in (("loss_mask", 0), ("behaviour_logprobs", float("nan")), ("token_versions", 0)):
+            values = getattr(sample, name)
+            setattr(sample, name, [values[0], *[fill] * n, *values[1:]])
+        sample.images, sample.pixels = (f"image{index}",), pixels
+    return batch
+
+
 def rank_main(args: argparse.Namespace) -> None:
     """One rank (started by torch's launcher)."""
     import torch
@@ -85,12 +125,15 @@ def rank_main(args: argparse.Namespace) -> None:
             f"actor_rollout_ref.actor.ppo_micro_batch_size={args.micro}",
             "actor_rollout_ref.actor.ppo_mini_batch_size=null",  # one optimizer step per update
             "algorithm.rollout_correction.rollout_is=null",
+            f"actor_rollout_ref.model.freeze_vision_tower={str(args.frozen).lower()}",
         ],
     )
     device = world.device(config.trainer.device)
     world.init_process_group(device, timeout_s=config.trainer.nccl_timeout)
     policy = Actor.load(args.model, ActorSettings.from_config(config), world)
     batch = synthetic_batch(args.samples, args.length, len(policy.tokenizer))
+    if args.workload == "vision":
+        batch = with_images(batch, args.model, args.image_size)
     samples = batch.samples
     tokens = sum(len(s) for s in samples)
     seconds = []
@@ -113,6 +156,7 @@ def rank_main(args: argparse.Namespace) -> None:
     if world.is_leader:
         median = statistics.median(seconds)
         result = {
+            "workload": args.workload + (" (vision tower frozen)" if args.frozen else ""),
             "ranks": world.size,
             "device": device.type,
             "samples": len(samples),
@@ -130,6 +174,9 @@ def launch(n_ranks: int, args: argparse.Namespace, result: Path) -> dict:
     command += [__file__, "--rank-worker", "--result", str(result), "--model", str(args.model)]
     command += ["--samples", str(args.samples), "--length", str(args.length), "--micro", str(args.micro)]
     command += ["--repeats", str(args.repeats), "--device", args.device]
+    command += ["--workload", args.workload, "--image-size", str(args.image_size)] + (
+        ["--frozen"] if args.frozen else []
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -139,11 +186,11 @@ def launch(n_ranks: int, args: argparse.Namespace, result: Path) -> dict:
 
 def format_report(results: list[dict]) -> str:
     base = results[0]
-    lines = ["ranks  device  tokens  update_s  tokens/s  x(1 rank)  peak GiB (rank 0)"]
+    lines = ["workload                      ranks  device  tokens  update_s  tokens/s  x(first)  peak GiB (rank 0)"]
     for r in results:
         lines.append(
-            f"{r['ranks']:>5}  {r['device']:>6}  {r['tokens']:>6}  {r['update_s_median']:>8.3f}  "
-            f"{r['tokens_per_s']:>8.0f}  {r['tokens_per_s'] / base['tokens_per_s']:>9.2f}  {r['peak_memory_gib_rank0']:>8.2f}"
+            f"{r.get('workload', 'text'):<28}  {r['ranks']:>5}  {r['device']:>6}  {r['tokens']:>6}  {r['update_s_median']:>8.3f}  "
+            f"{r['tokens_per_s']:>8.0f}  {r['tokens_per_s'] / base['tokens_per_s']:>8.2f}  {r['peak_memory_gib_rank0']:>8.2f}"
         )
     return "\n".join(lines)
 
@@ -157,6 +204,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--length", type=int, default=256, help="mean sample length in tokens")
     parser.add_argument("--micro", type=int, default=8, help="ppo_micro_batch_size")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workload", choices=["text", "vision"], default="text", help="vision: a picture a sample")
+    parser.add_argument("--image-size", type=int, default=224, help="vision: each picture's side in pixels")
+    parser.add_argument("--frozen", action="store_true", help=argparse.SUPPRESS)  # one run's vision tower
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,8 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="train-step-") as work:
         if args.model == "tiny":
-            args.model = build_tiny(Path(work) / "tiny", args.hidden, args.layers)
-        results = [launch(int(n), args, Path(work) / f"result-{n}.json") for n in args.ranks.split(",")]
+            build = build_tiny if args.workload == "text" else build_tiny_vl
+            extra = () if args.workload == "text" else (args.image_size,)
+            args.model = build(Path(work) / "tiny", args.hidden, args.layers, *extra)
+        results = []
+        for n in args.ranks.split(","):
+            for frozen in (False, True) if args.workload == "vision" else (False,):
+                args.frozen = frozen
+                results.append(launch(int(n), args, Path(work) / f"result-{n}-{frozen}.json"))
     print(format_report(results))
     if args.json:
         print(json.dumps(results))

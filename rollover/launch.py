@@ -149,9 +149,11 @@ async def _run(
     from rollover.metrics.console import LiveConsole, RunSummary
     from rollover.training.actor import Actor
     from rollover.training.data import read_tasks
+    from rollover.training.images import SampleImages
     from rollover.training.settings import TrainerSettings
     from rollover.training.trainer import Trainer
     from rollover.training.update_settings import ActorSettings
+    from rollover.vision.model import takes_images
 
     trainer_settings = TrainerSettings.from_config(config)  # its rules checked before anything starts
     engine_settings = EngineSettings.from_config(config)
@@ -228,6 +230,7 @@ async def _run(
                 metrics=metrics,
                 run_dir=run_dir,
                 world_size=world.size,
+                images=SampleImages(model_path, client.image) if takes_images(model_path) else None,
             )
             if live is not None:
                 trainer.progress = actor.progress = live

@@ -107,3 +107,29 @@ def vllm_engine(calc_model, tmp_path_factory):
         family = engine_family(engine)
         engine.stop()
         assert not alive(family), "vLLM processes left after stop()"
+
+
+@pytest.fixture(scope="session")
+def vision_model(tmp_path_factory):
+    """The vision calc example's tiny Qwen2-VL, built and briefly warmed up once per session
+    (enough for its format; the example's own warm-up is longer)."""
+    from examples.vision_calc.prepare import tiny_vision_calc_model
+
+    return tiny_vision_calc_model(tmp_path_factory.mktemp("vision-model") / "tiny-vl-warm", steps=30)
+
+
+@pytest.fixture(scope="session")
+def vision_engine(vision_model, tmp_path_factory):
+    """vLLM serving `vision_model` (two images a prompt), shared by the session's image tests;
+    a test that loads other weights loads the model back before it ends."""
+    from rollover.testing.engine import alive, engine_family, start_test_engine
+
+    engine = start_test_engine(
+        vision_model, log_path=tmp_path_factory.mktemp("vision-vllm-log") / "vllm.log", limit_images=2
+    )
+    try:
+        yield engine
+    finally:
+        family = engine_family(engine)
+        engine.stop()
+        assert not alive(family), "vLLM processes left after stop()"

@@ -22,8 +22,8 @@ TRAINING = PACKAGE / "training"
 # Bottom to top. A part is a top-level module or package of `rollover`; it may import its own
 # modules and the parts of the layers below it, never a part of its own layer or above.
 LAYERS: tuple[frozenset[str], ...] = (
-    # shared foundations: formats, helpers, the config, the rank primitives, metric sinks
-    frozenset({"codec", "jsonl", "retry", "processes", "config", "adapter_folder", "distributed", "metrics"}),
+    # shared foundations: formats, helpers, the config, the rank primitives, metric sinks, model inputs
+    frozenset({"codec", "jsonl", "retry", "processes", "config", "adapter_folder", "distributed", "metrics", "vision"}),
     frozenset({"config_yaml"}),
     frozenset({"store"}),
     frozenset({"gateway"}),

@@ -130,6 +130,13 @@ def model_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def model_tiny_vl(args: argparse.Namespace) -> int:
+    from rollover.modelzoo.tiny_vl import build_tiny_vl_model
+
+    print(build_tiny_vl_model(args.out, seed=args.seed, max_image_tokens=args.max_image_tokens))
+    return 0
+
+
 def model_smollm2(args: argparse.Namespace) -> int:
     from rollover.modelzoo.smollm2 import convert_smollm2
 

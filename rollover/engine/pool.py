@@ -42,6 +42,7 @@ def node_engines(settings: EngineSettings, model_path: str | Path, run_dir: Path
                 device="cuda" if device == "cuda" else "cpu",
                 env=env,
                 keep_requests=settings.keep_requests,
+                limit_images=settings.limit_images,
             )
         )
     return engines

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import httpx
 
+from rollover.engine.images import image_limit
 from rollover.engine.tool_calls import resolve_tool_call_parser
 from rollover.processes import child_pids, free_port, port_taken, stop_supervised_group, tail_lines
 
@@ -85,6 +86,7 @@ class VLLMServer:
         logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "processed_logprobs",
         tool_call_parser: str | None = "auto",
         worker_in_engine_core: bool | None = None,
+        limit_images: int | None = None,
     ) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -100,6 +102,8 @@ class VLLMServer:
         self.dtype = dtype
         self.kv_cache_space_gb = kv_cache_space_gb
         self.extra_args = tuple(extra_args)
+        # Images per prompt (0: the model reads text only); the gateway refuses more with 400.
+        self.max_images, self.image_args = image_limit(self.model_dir, limit_images, self.extra_args)
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
         # Eager mode skips torch.compile: ~10 s faster start on CPU, slower decoding.
@@ -203,7 +207,7 @@ class VLLMServer:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         if self.worker_in_engine_core:
             args += ["--distributed-executor-backend", "uni"]
-        return args + list(self.extra_args)
+        return args + list(self.image_args) + list(self.extra_args)
 
     def _env(self) -> dict[str, str]:
         # A trainer rank's launcher variables would make vLLM think it is one of its ranks.

@@ -27,6 +27,7 @@ class EngineSettings:
     max_restarts: int = 3
     bucket_megabytes: int = 2048  # the weight sync's file size
     device: str = "auto"  # trainer.device: the engines sit on the trainer's devices
+    limit_images: int | None = None  # images per prompt a vision model's engine takes; None = its default
 
     @classmethod
     def from_config(cls, config: RolloverConfig) -> EngineSettings:
@@ -48,4 +49,5 @@ class EngineSettings:
             max_restarts=rollout.max_engine_restarts,
             bucket_megabytes=rollout.checkpoint_engine.update_weights_bucket_megabytes,
             device=config.trainer.device,
+            limit_images=rollout.limit_images,
         )

@@ -337,6 +337,8 @@ class VLLMEngine(VLLMServer):
             entry["frozen"] = True
         if self.policies:
             entry["policies"] = dict(self.policies)
+        if self.max_images:
+            entry["max_images"] = self.max_images
         return [entry]
 
     async def register_with_gateway(

@@ -4,6 +4,7 @@ gate that counts it in flight (or refuses it with when to come back)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -13,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from rollover import codec
 from rollover.gateway import auth
 from rollover.gateway.calls import Mode
+from rollover.gateway.images import CallImages, call_images, check_count, has_images
 from rollover.gateway.state import GatewayState
 
 
@@ -60,6 +62,21 @@ async def json_object(request: Request, max_depth: int) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise HTTPException(400, "body must be a JSON object")
     return body
+
+
+async def check_images(state: GatewayState, rollout_id: str, body: dict[str, Any]) -> CallImages | None:
+    """A chat request's images, decoded and checked (`gateway.images`), against what the engine
+    the rollout goes to takes; raises `ImageRefused`. Decoded off the event loop: a large image
+    takes milliseconds that other agents' calls should not wait for."""
+    if not has_images(body):
+        return None
+    target = state.registry.pick(rollout_id)
+    if target is not None and target.max_images == 0:
+        check_count(None, 0)  # a text-only model: refused before anything is decoded
+    images = await asyncio.to_thread(call_images, body, state.settings.gateway.max_image_bytes)
+    if target is not None:  # none live: the forwarder answers that
+        check_count(images, target.max_images)
+    return images
 
 
 async def enter(state: GatewayState) -> Refusal | None:

@@ -17,7 +17,7 @@ from starlette.routing import Route
 from rollover import codec
 from rollover.config import GatewaySettings
 from rollover.gateway import auth
-from rollover.gateway.admission import check_attempt, check_writer, enter, json_body, json_object
+from rollover.gateway.admission import check_attempt, check_images, check_writer, enter, json_body, json_object
 from rollover.gateway.apis import anthropic, responses
 from rollover.gateway.asgi import (
     BodyLimitMiddleware,
@@ -27,6 +27,7 @@ from rollover.gateway.asgi import (
     json_response,
 )
 from rollover.gateway.calls import CALL_ID_HEADER, ProxyCall, UpstreamError
+from rollover.gateway.images import ImageRefused
 from rollover.gateway.proxy import ENDPOINTS
 from rollover.gateway.relay import forward_unless_disconnected, relay_stream
 from rollover.gateway.sampling import ForbiddenField, check_request
@@ -223,6 +224,15 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
             return json_response(_JSON_LIST.dump_json(kept))
         return json_response(_EVENT_LIST.dump_json(events))
 
+    @app.get("/api/images/{sha256}", dependencies=admin_only)
+    async def get_image(request: Request, sha256: str) -> Response:
+        """A recorded call's image by its content hash (`record["images"]`), as it was sent."""
+        found = (await store.images([sha256])).get(sha256)
+        if found is None:
+            raise HTTPException(404, f"no image {sha256!r:.80} is stored")
+        media_type, data = found
+        return Response(data, media_type=media_type)
+
     # -- models ---------------------------------------------------------------------------
 
     @app.post("/api/models", status_code=201, dependencies=admin_only)
@@ -310,10 +320,14 @@ def create_app(store: RolloutStore, settings: GatewaySettings, *, close_store: b
         except ForbiddenField as exc:
             return error_response(400, "forbidden field", exc.reason)
         check_attempt(state, rollout_id, attempt_id)
+        try:
+            images = await check_images(state, rollout_id, body) if endpoint == "chat/completions" else None
+        except ImageRefused as exc:
+            return error_response(400, "bad request", str(exc))
         refused = await enter(state)
         if refused is not None:
             return JSONResponse({"error": "gateway paused", "reason": refused.reason}, 429, headers=refused.headers)
-        call = ProxyCall(rollout_id, attempt_id, mode, endpoint, body)
+        call = ProxyCall(rollout_id, attempt_id, mode, endpoint, body, images=images)
         if body.get("stream") is True:
             return await relay_stream(state.forwarder, call, state.pause.leave)
         try:

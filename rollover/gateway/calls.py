@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rollover import codec
+from rollover.gateway.images import CallImages
 from rollover.gateway.upstream import UpstreamIOError, UpstreamResponse, UpstreamTimeout
 from rollover.store.models import ModelEndpoint
 
@@ -36,6 +37,8 @@ class ProxyCall:
     # id (so a chat answer's `id` is `chatcmpl-<call_id>`), returned in the `X-Agl-Call-Id`
     # header and recorded as the call's `call_id`. A translated call's is the id its API gives.
     call_id: str = field(default_factory=new_call_id)
+    # Its images (`gateway.images`), recorded by reference and stored once by content; None: none.
+    images: CallImages | None = None
 
 
 class UpstreamError(Exception):

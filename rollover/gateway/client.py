@@ -136,6 +136,14 @@ class GatewayClient:
             for r in await self._request("POST", "/api/rollouts", json=body, idempotent=idempotent)
         ]
 
+    async def image(self, sha256: str) -> bytes:
+        """A recorded call's image by its content hash, as the agent sent it."""
+        response = await self._send("GET", f"/api/images/{sha256}", None)
+        if response.status_code >= 400:
+            error = NotFoundError if response.status_code == 404 else GatewayError
+            raise error(response.status_code, response.text[:300])
+        return response.content
+
     async def get_rollout(self, rollout_id: str) -> Rollout:
         return Rollout.model_validate(await self._request("GET", f"/api/rollouts/{rollout_id}"))
 

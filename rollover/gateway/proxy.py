@@ -362,7 +362,7 @@ class Forwarder:
             "endpoint": proxied.endpoint,
             "model": call.sent.model,
             "upstream": call.sent.target.endpoint,
-            "request": proxied.body,
+            "request": proxied.body if proxied.images is None else proxied.images.recorded_body,
             "response": data,
             "policy_version": call.sent.target.policy_version if version is None else version,
             "latency_s": time.monotonic() - call.started,
@@ -373,11 +373,20 @@ class Forwarder:
             record["policy"] = call.sent.policy
         if proxied.api is not None:  # made through another API than chat/completions
             record["api"] = proxied.api
+        images = () if proxied.images is None else proxied.images.images
+        if images:  # in prompt order: what the trainer rebuilds the model's inputs from
+            record["images"] = [image.description() for image in images]
         if status_code == 200 and "error" not in data:
             record.update(extract_tokens(proxied.endpoint, data, spans))
             if spans:  # the version of the call's oldest token
                 record["policy_version"] = min(choice[0][1] for choice in spans.values())
         try:
-            await self.store.record_event(proxied.rollout_id, proxied.attempt_id, "model_request", record)
+            await self.store.record_event(
+                proxied.rollout_id,
+                proxied.attempt_id,
+                "model_request",
+                record,
+                images=[(image.sha256, image.media_type, image.data) for image in images],
+            )
         except InvalidValue as exc:  # e.g. nested deeper than JSON is stored
             raise UpstreamError(502, f"the engine's answer cannot be recorded: {exc}") from None

@@ -20,10 +20,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from rollover import codec
-from rollover.gateway.admission import check_attempt, check_writer, enter, json_object
+from rollover.gateway.admission import check_attempt, check_images, check_writer, enter, json_object
 from rollover.gateway.apis import anthropic, responses
 from rollover.gateway.apis.common import ApiError, Translation
 from rollover.gateway.calls import CALL_ID_HEADER, ProxyCall, UpstreamError
+from rollover.gateway.images import ImageRefused, references, restore_images
 from rollover.gateway.relay import RelayedStream, forward_unless_disconnected
 from rollover.gateway.sampling import ForbiddenField, check_request
 from rollover.gateway.state import GatewayState
@@ -132,6 +133,9 @@ class ResponseContexts:
                 and isinstance(request, dict)
                 and isinstance(answer, dict)
             ):
+                hashes = references(request)
+                if hashes:  # recorded by reference: the engine needs them inline again
+                    request = restore_images(request, await self._store.images(hashes))
                 self._keep(tag, rollout_id, event.attempt_id, request, answer)
                 return self._kept[response_id]
         return None
@@ -187,16 +191,21 @@ class TranslatedRoutes:
             # tool choice is guided decoding).
             check_request(translation.chat_body, "chat/completions", mode, state.settings.max_n)
             check_attempt(state, rollout_id, attempt_id)
+            images = await check_images(state, rollout_id, translation.chat_body)
         except ForbiddenField as exc:
             return api_error(shape, 400, f"{exc.field}: {exc.reason}")
         except (ApiError, HTTPException, RequestValidationError, UpstreamError, StoreError) as exc:
             return refused(exc, shape)
+        except ImageRefused as exc:
+            return api_error(shape, 400, str(exc))
         state.note_unhonoured(translation.api, translation.unhonoured)
         refusal = await enter(state)
         if refusal is not None:
             return api_error(shape, 429, f"gateway paused: {refusal.reason}", refusal.headers)
         tag = translation.tag
-        call = ProxyCall(rollout_id, attempt_id, mode, "chat/completions", translation.chat_body, tag, tag["id"])
+        call = ProxyCall(
+            rollout_id, attempt_id, mode, "chat/completions", translation.chat_body, tag, tag["id"], images
+        )
         remember = (lambda answer: self.contexts.remember(call, answer)) if translation.api == "responses" else None
         if translation.streamed:
             return await self._stream(call, translation, shape, remember)

@@ -6,6 +6,10 @@ the model's text into `tool_calls`; this template shows the model the tools (in 
 turn, one JSON schema per line inside `<tools>`), renders earlier calls in that same form and
 tool results as `tool` turns. Without tools it renders exactly what the models' original
 templates render, so a model warmed up before keeps seeing the same prompts.
+
+A vision-language model's template (`image_marker`) writes the marker where a message has an
+image part (`image`, as vLLM hands parts to templates, or the APIs' `image_url` and
+`input_image`); the model's processor expands its placeholder to the image's tokens.
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ _TOOLS_OUTRO = (
 )
 
 
-def chatml_template(default_system: str | None = None) -> str:
+def chatml_template(default_system: str | None = None, image_marker: str | None = None) -> str:
     """The Jinja template; `default_system` opens chats that bring no system message
-    (SmolLM2's own template does that; the tiny model's does not)."""
+    (SmolLM2's own template does that; the tiny model's does not); `image_marker` is written for
+    each image part (a vision-language model's; None: image parts are left out, as before)."""
     default = "" if default_system is None else default_system.replace("'", "\\'")
+    image = ""
+    if image_marker is not None:
+        image = f"{{%- elif part['type'] in ('image', 'image_url', 'input_image') -%}}{{{{- '{image_marker}' -}}}}"
     return (
         "{%- set ns = namespace(tools='') -%}"
         "{%- if tools -%}"
@@ -47,7 +55,9 @@ def chatml_template(default_system: str | None = None) -> str:
         "{{- content -}}"
         "{%- elif content is iterable and content is not mapping -%}"
         "{%- for part in content -%}"
-        "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+        "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
+        f"{image}"
+        "{%- endif -%}"
         "{%- endfor -%}"
         "{%- endif -%}"
         "{%- if loop.first and message['role'] == 'system' and ns.tools -%}"

@@ -168,23 +168,34 @@ def _train(
     shared_prefix: bool = False,
 ) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from rollover.modelzoo.vl_warmup import VisionChats
+    from rollover.vision.model import auto_model_class, takes_images
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     # Any: transformers' stubs type `model.to` as the unbound method (the model twice).
-    model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    model: Any = auto_model_class(model_dir).from_pretrained(str(model_dir))
     model.to(device)
     model.train()
+    # A vision-language model's chats carry images: their pixels, and placeholders expanded.
+    vision = VisionChats(model_dir, model) if takes_images(model_dir) else None
 
-    data = [
-        tokenize_chat(tokenizer, chat["messages"], max_length, chat.get("tools"))
-        if isinstance(chat, dict)
-        else tokenize_chat(tokenizer, chat, max_length)
-        for chat in examples
-    ]
-    data = [(ids, m) for ids, m in data if sum(m) > 0]
+    if vision is not None and shared_prefix:
+        raise ValueError("shared_prefix is for text chats: a vision model's chats are padded")
+    data: list[Example] = []
+    pixels: list[Any] = []  # a vision model's: each example's images (None: it has none)
+    for chat in examples:
+        messages, tools = (chat["messages"], chat.get("tools")) if isinstance(chat, dict) else (chat, None)
+        ids, mask = tokenize_chat(tokenizer, messages, max_length, tools)
+        images = None
+        if vision is not None:
+            ids, mask, images = vision.example(messages, ids, mask)
+        if sum(mask) > 0:
+            data.append((ids, mask))
+            pixels.append(images)
     if not data:
         raise ValueError("no example has an assistant turn to learn from")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -206,13 +217,14 @@ def _train(
         if shared_prefix:
             loss, count = _shared_prefix_loss(model, _draw_bucket(rng, buckets, data, batch_size), pad_id, device)
         else:
-            batch = []
+            picked = []
             for _ in range(batch_size):
                 if not order:
                     order = list(range(len(data)))
                     rng.shuffle(order)
-                batch.append(data[order.pop()])
-            loss, count = _padded_loss(model, batch, pad_id, device)
+                picked.append(order.pop())
+            rows = [pixels[i] for i in picked] if vision is not None else None
+            loss, count = _padded_loss(model, [data[i] for i in picked], pad_id, device, vision, rows)
 
         for group in optim.param_groups:
             group["lr"] = lr_at(step)
@@ -230,6 +242,8 @@ def _train(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
+    if vision is not None:
+        vision.processor.save_pretrained(str(out))
     k = max(1, min(log_every, len(losses)))
     metrics: dict[str, Any] = {
         "steps": steps,
@@ -265,12 +279,18 @@ def _padded(batch: Sequence[Example], pad_id: int, device: str):  # -> (ids, att
     return input_ids.to(device), attention.to(device), learn.to(device)
 
 
-def _padded_loss(model: Any, batch: Sequence[Example], pad_id: int, device: str):  # -> (loss, count)
-    """The batch's mean next-token loss on its learned tokens, right-padded."""
+def _padded_loss(
+    model: Any, batch: Sequence[Example], pad_id: int, device: str, vision: Any = None, images: Any = None
+):  # -> (loss, count)
+    """The batch's mean next-token loss on its learned tokens, right-padded; a vision model's
+    (`vision`: `vl_warmup.VisionChats`) with each row's `images`."""
     import torch
 
     input_ids, attention, learn = _padded(batch, pad_id, device)
-    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
+    if vision is None:
+        logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
+    else:
+        logits = vision.logits(input_ids, attention, images)[:, :-1].float()
     targets = input_ids[:, 1:]
     target_mask = learn[:, 1:]
     nll = torch.nn.functional.cross_entropy(

@@ -62,6 +62,12 @@ CREATE TABLE IF NOT EXISTS calls (
     event_id INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS calls_rollout ON calls(rollout_id, attempt_id, event_id);
+CREATE TABLE IF NOT EXISTS images (
+    sha256 TEXT PRIMARY KEY,
+    media_type TEXT NOT NULL,
+    data BLOB NOT NULL,
+    created_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS gateway_state (
     key TEXT PRIMARY KEY,
     value TEXT NOT NULL,
@@ -72,6 +78,34 @@ CREATE TABLE IF NOT EXISTS gateway_state (
 MAX_GROUP = 512  # writes committed together at most (bounds one transaction's time)
 CHECKPOINT_EVERY_COMMITS = 200  # ...or every second, whichever comes first
 CHECKPOINT_EVERY_SECONDS = 1.0
+
+
+# A recorded call's image: its content hash, media type and bytes (stored once per content).
+StoredImage = tuple[str, str, bytes]
+
+
+def insert_images(conn: sqlite3.Connection, images: list[StoredImage], now: float) -> None:
+    """Each image once: one already stored under its hash (the same bytes) is left as it is."""
+    conn.executemany(
+        "INSERT OR IGNORE INTO images (sha256, media_type, data, created_at) VALUES (?, ?, ?, ?)",
+        [(sha256, media_type, data, now) for sha256, media_type, data in images],
+    )
+
+
+def select_images(conn: sqlite3.Connection, hashes: list[str]) -> dict[str, tuple[str, bytes]]:
+    """The stored images among `hashes`: media type and bytes by hash (a file made before images
+    were stored has no table: none)."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='images'").fetchone() is None:
+        return {}
+    found: dict[str, tuple[str, bytes]] = {}
+    unique = list(dict.fromkeys(hashes))
+    for start in range(0, len(unique), 500):
+        chunk = unique[start : start + 500]
+        rows = conn.execute(
+            f"SELECT sha256, media_type, data FROM images WHERE sha256 IN ({','.join('?' * len(chunk))})", chunk
+        )
+        found.update({row[0]: (row[1], bytes(row[2])) for row in rows})
+    return found
 
 
 @dataclass

@@ -239,6 +239,9 @@ class Triplet(_Wire):
     # The sum of the rewards posted for this call (`store.rewards`: rewards per turn); None:
     # none. The bundle's `reward` is the outcome.
     reward: float | None = None
+    # The call's images in prompt order (content hashes: `GET /api/images/{sha256}`), one per
+    # run of image placeholder tokens in `prompt_token_ids`; None: it had none.
+    images: list[str] | None = None
 
 
 class TripletBundle(_Wire):
@@ -304,6 +307,9 @@ class ModelEndpoint(_Wire):
     # of its call, and a call asking for no policy of these is refused (404). Empty: one policy,
     # every call goes to `model` whatever the agent asked for.
     policies: dict[ServedName, ServedName] = Field(default_factory=dict)
+    # Images the engine takes in one prompt (vLLM's --limit-mm-per-prompt); 0: a text-only
+    # model, and the proxy refuses any call with an image (400).
+    max_images: int = Field(0, ge=0, le=MAX_INT64)
 
     @field_validator("endpoint")
     @classmethod
@@ -312,11 +318,14 @@ class ModelEndpoint(_Wire):
 
     @model_serializer(mode="wrap")
     def _one_policy_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """No `policies` key when there are none: a run of one policy answers and persists its
-        registry exactly as before policies existed (read back, the default is the same)."""
+        """No `policies` key when there are none, no `max_images` when it takes none: a text
+        model's run of one policy answers and persists its registry exactly as before these
+        existed (read back, the defaults are the same)."""
         dumped: dict[str, Any] = handler(self)
         if not self.policies:
             dumped.pop("policies", None)
+        if not self.max_images:
+            dumped.pop("max_images", None)
         return dumped
 
     @computed_field  # type: ignore[prop-decorator]
@@ -381,7 +390,16 @@ TRAINING_FIELDS = (
     "latency_s",
     "status_code",
     "call_id",  # what a reward for this turn names
+    "images",  # the call's images (hash, format, size), in prompt order
 )
+
+
+def image_hashes(data: dict[str, Any]) -> tuple[str, ...]:
+    """A recorded call's images, by content hash, in prompt order."""
+    images = data.get("images")
+    if not isinstance(images, list):
+        return ()
+    return tuple(str(image.get("sha256")) for image in images if isinstance(image, dict))
 
 
 def last_call_per_prompt(events: list[Event]) -> list[Event]:
@@ -389,7 +407,7 @@ def last_call_per_prompt(events: list[Event]) -> list[Event]:
     Agent Lightning's `format=triplet` answers: a call retried with the same prompt is trained
     once, on its last answer. The same prompt put to two policies is two calls, not a retry.
     A request without valid prompt ids is always kept."""
-    last: dict[tuple[Any, tuple[int, ...]], int] = {}
+    last: dict[tuple[Any, tuple[int, ...], tuple[str, ...]], int] = {}
     kept: set[int] = set()
     for index, event in enumerate(events):
         if event.event_type != "model_request":
@@ -397,7 +415,8 @@ def last_call_per_prompt(events: list[Event]) -> list[Event]:
         data = event.data if isinstance(event.data, dict) else {}
         ids = data.get("prompt_token_ids")
         if isinstance(ids, list) and ids and all(type(token) is int for token in ids):
-            last[(data.get("policy"), tuple(ids))] = index
+            # Images of one size expand to the same placeholder ids: they tell two prompts apart.
+            last[(data.get("policy"), tuple(ids), image_hashes(data))] = index
         else:
             kept.add(index)
     kept.update(last.values())

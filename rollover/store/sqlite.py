@@ -29,7 +29,7 @@ import orjson
 
 from rollover import codec
 from rollover.store.errors import AttemptNotFound, IllegalTransition, InvalidValue, RolloutNotFound
-from rollover.store.file import StoreFile
+from rollover.store.file import StoredImage, StoreFile, insert_images, select_images
 from rollover.store.models import (
     LEGAL_TRANSITIONS,
     Event,
@@ -42,6 +42,7 @@ from rollover.store.models import (
     TerminalRolloutsPage,
     Triplet,
     TripletBundle,
+    image_hashes,
     new_rollout_id,
 )
 from rollover.store.rewards import attribute_rewards
@@ -396,8 +397,11 @@ class RolloutStore:
             }
         )
 
-    async def record_event(self, rollout_id: str, attempt_id: str, event_type: str, data: Any) -> tuple[int, float]:
-        """`add_event` without the wire models (the proxy's path): the event id and time."""
+    async def record_event(
+        self, rollout_id: str, attempt_id: str, event_type: str, data: Any, images: list[StoredImage] | None = None
+    ) -> tuple[int, float]:
+        """`add_event` without the wire models (the proxy's path): the event id and time.
+        `images` (a recorded call's) are stored in the same commit, once per content hash."""
         encoded = _encode(data, "data")
         now = time.time()
         call_id = data.get("call_id") if event_type == "model_request" and isinstance(data, dict) else None
@@ -413,6 +417,8 @@ class RolloutStore:
             if attempt_id not in rollout.attempts:
                 raise AttemptNotFound(f"rollout {rollout_id} has no attempt {attempt_id}")
             event_id = self._next_event_id
+            if images:
+                insert_images(conn, images, now)
             conn.execute(_INSERT_EVENT, (event_id, rollout_id, attempt_id, event_type, encoded, now))
             if call_id is not None:  # a recorded call a reward may name
                 conn.execute(_INSERT_CALL, (call_id, rollout_id, attempt_id, event_id))
@@ -429,6 +435,10 @@ class RolloutStore:
             return None if row is None else (row["rollout_id"], row["attempt_id"])
 
         return await self._read(query)
+
+    async def images(self, hashes: list[str]) -> dict[str, tuple[str, bytes]]:
+        """Stored images by content hash: media type and bytes (unknown hashes are left out)."""
+        return await self._read(lambda conn: select_images(conn, hashes))
 
     async def list_events(
         self, rollout_id: str, event_type: str | None = None, attempt_id: str | None = None
@@ -495,6 +505,7 @@ class RolloutStore:
                         policy=policy if isinstance(policy, str) else None,
                         call_id=call_id if isinstance(call_id, str) else None,
                         reward=rewards.per_call.get(event.event_id),
+                        images=list(image_hashes(data)) or None,
                     )
                     for position, choice in enumerate(choices)
                     if isinstance(choice, dict) and choice.get("response_token_ids") is not None

@@ -1,4 +1,4 @@
-"""The actor: the trained causal LM with its tokenizer and optimizer (sharded over the ranks when
+"""The actor: the trained causal LM (or vision-language model) with its tokenizer and optimizer (sharded over the ranks when
 there are several), its checkpoints, and the optimizer steps of one update.
 
 One update, from `Trainer.train_step` to `optimizer.step()`:
@@ -39,6 +39,7 @@ from rollover.training.prepare import PreparedSample, Recomputed, prepare_update
 from rollover.training.reference import AdapterOffReference, Reference
 from rollover.training.samples import Sample, UpdateBatch, collate, pad_rows
 from rollover.training.update_settings import ActorSettings
+from rollover.vision.model import auto_model_class, copy_processor, freeze_vision_tower
 
 
 class Actor:
@@ -56,8 +57,10 @@ class Actor:
         *,
         reference: Reference | AdapterOffReference | None = None,
         device: torch.device | None = None,
+        model_path: str | Path | None = None,
     ) -> None:
         self.model = model
+        self.model_path = None if model_path is None else Path(model_path)  # its image processor's folder
         self.tokenizer = tokenizer
         self.settings = settings
         self.world = world or World()
@@ -85,14 +88,17 @@ class Actor:
         """The model in `model_path` (with LoRA: wrapped in its adapter; on several ranks:
         sharded), and the frozen reference when a KL term needs it: the model this run starts
         from (a resumed run's base, not its checkpoint: launch loads the checkpoint's weights
-        after), or with LoRA the same model with its adapter disabled."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        after), or with LoRA the same model with its adapter disabled. A vision-language model
+        loads as an image-text-to-text model; LoRA adapts its language model only."""
+        from transformers import AutoTokenizer
 
         world = world or World()
         device = world.device(settings.device)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)  # type: ignore[arg-type]
+        model = auto_model_class(model_path).from_pretrained(model_path, dtype=torch.float32).to(device)
         model.config.use_cache = False
+        if settings.freeze_vision_tower:
+            freeze_vision_tower(model)
         if settings.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if settings.lora is not None:  # before sharding: FSDP2 shards the adapter with its layer
@@ -108,7 +114,7 @@ class Actor:
                 if settings.lora is not None
                 else Reference(model_path, settings.reference, world, device)
             )
-        return cls(model, tokenizer, settings, world, reference=reference, device=device)
+        return cls(model, tokenizer, settings, world, reference=reference, device=device, model_path=model_path)
 
     # -- weights and checkpoints (collectives on several ranks) ----------------------------
 
@@ -135,16 +141,19 @@ class Actor:
     def save(self, directory: str | Path) -> Path:
         """The model as a Hugging Face folder (weights, config, tokenizer), written by rank 0;
         with LoRA the adapter as a PEFT folder (with the tokenizer) instead: the base never
-        changes (`rollover model merge` makes one model of the two)."""
+        changes (`rollover model merge` makes one model of the two). A vision model's folder keeps
+        its image processor's settings, so a resumed run reads images as before."""
         directory = Path(directory)
         if self.lora:
             self.save_adapter(directory, write=self.world.is_leader)
             if self.world.is_leader:
                 self.tokenizer.save_pretrained(directory)  # type: ignore[attr-defined]
+                self._copy_processor(directory)
             return directory
         if not self.world.distributed:
             self.model.save_pretrained(directory, safe_serialization=True)  # type: ignore[operator]
             self.tokenizer.save_pretrained(directory)  # type: ignore[attr-defined]
+            self._copy_processor(directory)
             return directory
         weights = self.full_state_dict(keep=self.world.is_leader)
         if self.world.is_leader:
@@ -154,7 +163,12 @@ class Actor:
             save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
             self.model.config.save_pretrained(directory)  # type: ignore[union-attr, operator]
             self.tokenizer.save_pretrained(directory)  # type: ignore[attr-defined]
+            self._copy_processor(directory)
         return directory
+
+    def _copy_processor(self, directory: Path) -> None:
+        if self.model_path is not None:
+            copy_processor(self.model_path, directory)
 
     def save_training_state(self, directory: str | Path) -> None:
         """Model and optimizer, sharded (`torch.distributed.checkpoint`), loadable on any
@@ -241,6 +255,8 @@ class Actor:
             update.temperature,
             entropy_chunk_size=update.entropy_chunk_size,
             entropy_grad=update.entropy_coeff > 0,
+            pixel_values=batch.get("pixel_values"),  # a vision model's images, in row order
+            image_grid_thw=batch.get("image_grid_thw"),
         )
         return Forward(logprobs, entropy)
 

@@ -75,13 +75,17 @@ def _per_sample(
             indices = mine[position] if position < len(mine) else []
             chunk = [samples[i] for i in indices] or [samples[0]]  # a stand-in keeps FSDP's gathers in step
             batch = {k: v.to(device) for k, v in collate(chunk, pad_token_id).items()}
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            pixels, grid = batch.get("pixel_values"), batch.get("image_grid_thw")  # a vision model's images
             squares: torch.Tensor | None = None
             if sum_pi_squared:
                 logprobs, squares = token_logprobs_and_sum_pi_squared(
-                    model, batch["input_ids"], batch["attention_mask"], temperature=temperature
+                    model, ids, mask, temperature=temperature, pixel_values=pixels, image_grid_thw=grid
                 )
             else:
-                logprobs = token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature=temperature)
+                logprobs = token_logprobs(
+                    model, ids, mask, temperature=temperature, pixel_values=pixels, image_grid_thw=grid
+                )
             for row, index in enumerate(indices):
                 n = len(samples[index]) - 1
                 computed[index] = (logprobs[row, :n].cpu(), None if squares is None else squares[row, :n].cpu())

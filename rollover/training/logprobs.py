@@ -10,12 +10,40 @@ from __future__ import annotations
 import torch
 
 
+def model_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    pixel_values: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[B, L, V]`` logits. A vision-language model gets the batch's images (every row's, in
+    row order: ``samples.collate``) and its own 3-D mRoPE positions (``vision.inputs``), which
+    its forward pass would otherwise guess from a state it keeps between calls."""
+    image_token_id = getattr(getattr(model, "config", None), "image_token_id", None)
+    if image_token_id is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    from rollover.vision.inputs import position_ids
+
+    positions = position_ids(model, input_ids, attention_mask, image_grid_thw, int(image_token_id))
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        pixel_values=pixel_values,
+        image_grid_thw=image_grid_thw,
+        use_cache=False,
+    ).logits
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
     micro_batch_size: int | None = None,
+    pixel_values: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, L-1]`` float32 log-probabilities of each next token, logits divided by ``temperature``.
 
@@ -34,25 +62,34 @@ def token_logprobs(
     step = batch if micro_batch_size is None else micro_batch_size
     if step <= 0:
         raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
+    if pixel_values is not None:
+        # The images follow the rows; split, they would have to be split with them.
+        logits = model_logits(model, input_ids, attention_mask, pixel_values, image_grid_thw)
+        return _next_token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
 
     chunks: list[torch.Tensor] = []
     for start in range(0, batch, step):
         ids = input_ids[start : start + step]
         mask = attention_mask[start : start + step]
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        logits = model_logits(model, ids, mask)
         chunks.append(_next_token_logprobs(logits[:, :-1], ids[:, 1:], temperature))
     return torch.cat(chunks, dim=0)
 
 
 def token_logprobs_and_sum_pi_squared(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    pixel_values: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_logprobs`` and, for each next-token distribution π (logits over ``temperature``),
     ``Σ_v π(v)²`` (``[B, L-1]`` both): the collision probability the optimal token baseline
     weighs tokens by. No gradient is meant to flow (π_old's pass)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    logits = model_logits(model, input_ids, attention_mask, pixel_values, image_grid_thw)[:, :-1]
     scaled = _scaled(logits, temperature)
     logprobs = _next_token_logprobs(scaled, input_ids[:, 1:], 1.0)
     squares = torch.softmax(scaled, dim=-1).square().sum(dim=-1)
@@ -81,6 +118,8 @@ def logprobs_and_entropy(
     *,
     entropy_chunk_size: int | None,
     entropy_grad: bool,
+    pixel_values: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_logprobs`` and the entropy of each next-token distribution (``[B, L-1]`` both,
     logits divided by ``temperature``) from one forward pass.
@@ -94,7 +133,7 @@ def logprobs_and_entropy(
 
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    logits = model_logits(model, input_ids, attention_mask, pixel_values, image_grid_thw)[:, :-1]
     scaled = _scaled(logits, temperature)
     logprobs = _next_token_logprobs(scaled, input_ids[:, 1:], 1.0)
     if entropy_grad:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,22 @@ SINGLE = "default"  # PEFT's name for a model's only adapter
 def adapter_names(policies: Sequence[str]) -> list[str]:
     """The PEFT adapters of a run: one per policy, else PEFT's single "default"."""
     return list(policies) or [SINGLE]
+
+
+# A vision-language model's vision tower (Qwen2-VL's `model.visual`), matched by PEFT's fullmatch.
+VISION_TOWER = r".*\bvisual(\..*)?"
+
+
+def without_vision_tower(model: torch.nn.Module, exclude: str | list[str] | None) -> str | list[str] | None:
+    """`exclude_modules` widened, for a vision-language model, to its whole vision tower: the
+    adapter trains the language model only (the engine serves LoRA on the language model)."""
+    if getattr(getattr(model, "config", None), "vision_config", None) is None:
+        return exclude
+    if exclude is None:
+        return VISION_TOWER
+    # PEFT reads a list as module names (a name or a dotted suffix), a string as a regex.
+    given = exclude if isinstance(exclude, str) else "|".join(rf"(.*\.)?{re.escape(name)}" for name in exclude)
+    return f"(?:{given})|(?:{VISION_TOWER})"
 
 
 def wrap(
@@ -61,9 +78,12 @@ def wrap(
             target_modules=settings.target_modules
             if isinstance(settings.target_modules, str)
             else list(settings.target_modules),
-            exclude_modules=settings.exclude_modules
-            if settings.exclude_modules is None or isinstance(settings.exclude_modules, str)
-            else list(settings.exclude_modules),
+            exclude_modules=without_vision_tower(
+                model,
+                settings.exclude_modules
+                if settings.exclude_modules is None or isinstance(settings.exclude_modules, str)
+                else list(settings.exclude_modules),
+            ),
             lora_dropout=0.0,  # the trainer's logprobs must be the engine's
             bias="none",
             task_type="CAUSAL_LM",
@@ -146,13 +166,15 @@ def merge(adapter_dir: str | Path, out_dir: str | Path) -> Path:
     """The base model (the one the adapter's config names) with the adapter merged into its
     weights, saved as a plain Hugging Face model folder (tokenizer too) that loads without PEFT."""
     from peft import PeftConfig, PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from rollover.vision.model import auto_model_class
 
     adapter_dir = Path(adapter_dir)
     base = PeftConfig.from_pretrained(str(adapter_dir)).base_model_name_or_path
     if not base or not (Path(base) / "config.json").is_file():
         raise FileNotFoundError(f"the adapter at {adapter_dir} names base model {base!r}, which is not a model folder")
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = auto_model_class(base).from_pretrained(base, dtype=torch.float32)
     merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     out = Path(out_dir)
     merged.save_pretrained(out, safe_serialization=True)

@@ -28,12 +28,12 @@ class Reference:
     """The reference model, loaded from the run's model folder and frozen."""
 
     def __init__(self, model_path: str | Path, settings: ReferenceSettings, world: World, device: torch.device) -> None:
-        from transformers import AutoModelForCausalLM
+        from rollover.vision.model import auto_model_class
 
         self.settings = settings
         self.world = world
         self.device = device
-        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model: torch.nn.Module = auto_model_class(model_path).from_pretrained(model_path, dtype=torch.float32)
         model.config.use_cache = False  # type: ignore[union-attr]
         model.requires_grad_(False)
         model.eval()

@@ -39,6 +39,8 @@ from typing import Any, Literal
 
 import torch
 
+from rollover.vision.inputs import PixelInputs, concatenated
+
 Cut = Literal["left", "right"]
 
 
@@ -55,6 +57,11 @@ class Sample:
     reward: float
     truncated: bool = False  # cut to its token budget (see build_samples)
     policy: str | None = None  # the policy its responses came from (None: the run has one)
+    # Its images, by content hash, in the order of their placeholder runs in `input_ids` (the
+    # last merged call's, whose prompt holds every earlier turn's), and their pixel inputs once
+    # the trainer has put them through the model's processor (`vision.attach_pixels`).
+    images: tuple[str, ...] = ()
+    pixels: PixelInputs | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -73,6 +80,7 @@ class Sample:
 @dataclass
 class _Builder:
     policy: str | None = None
+    images: tuple[str, ...] = ()
     input_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     behaviour_logprobs: list[float] = field(default_factory=list)
@@ -93,9 +101,18 @@ class _Builder:
     def __len__(self) -> int:
         return len(self.input_ids)
 
-    def extends_into(self, prompt: list[int]) -> bool:
+    def extends_into(self, prompt: list[int], images: tuple[str, ...]) -> bool:
+        """Whether a call of this prompt and images continues this sample: its prompt starts
+        with the whole sequence and its images with the sample's (two images of one size expand
+        to the same placeholder ids, so the ids alone cannot tell them apart)."""
         n = len(self.input_ids)
-        return n > 0 and len(prompt) >= n and prompt[n - 1] == self.input_ids[-1] and prompt[:n] == self.input_ids
+        return (
+            n > 0
+            and len(prompt) >= n
+            and prompt[n - 1] == self.input_ids[-1]
+            and images[: len(self.images)] == self.images
+            and prompt[:n] == self.input_ids
+        )
 
 
 def build_samples(
@@ -129,6 +146,7 @@ def build_samples(
         response = [int(t) for t in triplet["response_token_ids"]]
         versions = token_versions(triplet.get("response_version_spans"), int(triplet["policy_version"]), len(response))
         policy: str | None = triplet.get("policy")
+        images = tuple(triplet.get("images") or ())
         recorded = triplet.get("response_logprobs")
         if recorded is None:
             logprobs = [math.nan] * len(response)
@@ -142,7 +160,7 @@ def build_samples(
 
         current: _Builder | None = None
         if merge and not triplet.get("choice_index"):  # a new call (its first choice)
-            current = _longest_prefix(builders, policy, prompt)
+            current = _longest_prefix(builders, policy, prompt, images)
         # Another choice of the same call is a sample of its own, its prompt all context: the
         # earlier turns are trained once, in the first choice's sample.
         if current is not None:
@@ -151,6 +169,7 @@ def build_samples(
             current = _Builder(policy)
             builders.append(current)
             current.add_context(prompt)
+        current.images = images
         current.add_response(response, logprobs, versions)
 
     samples: list[Sample] = []
@@ -167,17 +186,24 @@ def build_samples(
             reward=float(reward),
             truncated=max_length is not None and n > max_length,
             policy=builder.policy,
+            images=builder.images,
         )
         if sample.num_loss_tokens > 0:
             samples.append(sample)
     return samples
 
 
-def _longest_prefix(builders: Sequence[_Builder], policy: str | None, prompt: list[int]) -> _Builder | None:
-    """The sample of `policy` with the longest sequence that `prompt` starts with, if any."""
+def _longest_prefix(
+    builders: Sequence[_Builder], policy: str | None, prompt: list[int], images: tuple[str, ...]
+) -> _Builder | None:
+    """The sample of `policy` with the longest sequence that `prompt` (and `images`) start with."""
     best: _Builder | None = None
     for builder in builders:
-        if builder.policy == policy and (best is None or len(builder) > len(best)) and builder.extends_into(prompt):
+        if (
+            builder.policy == policy
+            and (best is None or len(builder) > len(best))
+            and builder.extends_into(prompt, images)
+        ):
             best = builder
     return best
 
@@ -247,7 +273,8 @@ def collate(samples: Sequence[Sample], pad_token_id: int) -> dict[str, torch.Ten
 
     Returns ``input_ids`` [B, L] long, ``attention_mask`` [B, L] long, and target-aligned
     [B, L-1] tensors: ``loss_mask`` float32 (0/1), ``behaviour_logprobs`` float32 (0 on padding)
-    and ``token_versions`` long (-1 off the loss mask).
+    and ``token_versions`` long (-1 off the loss mask). With images (samples with ``pixels``)
+    it also has ``pixel_values`` and ``image_grid_thw``: every row's images, in row order.
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
@@ -269,10 +296,15 @@ def collate(samples: Sequence[Sample], pad_token_id: int) -> dict[str, torch.Ten
         versions[row, :n] = torch.tensor(sample.token_versions, dtype=torch.long)
 
     # Column t of a target-aligned tensor describes input_ids[:, t+1].
-    return {
+    out = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "loss_mask": loss_mask[:, 1:].contiguous(),
         "behaviour_logprobs": behaviour[:, 1:].contiguous(),
         "token_versions": versions[:, 1:].contiguous(),
     }
+    pixels = concatenated([s.pixels for s in samples if s.pixels is not None])
+    if pixels is not None:  # every row's images in row order, as the model scatters them
+        out["pixel_values"] = pixels.pixel_values
+        out["image_grid_thw"] = pixels.image_grid_thw
+    return out

@@ -25,6 +25,7 @@ from rollover.training.checkpoint import save_checkpoint
 from rollover.training.collect import collect_samples, rollout_reward
 from rollover.training.data import PromptLoader
 from rollover.training.drain import DrainTimeout, GatewayPause
+from rollover.training.images import SampleImages
 from rollover.training.loss.kl import adaptive_kl_coef
 from rollover.training.manager import (
     AsyncRolloutManager,
@@ -89,6 +90,7 @@ class Trainer:
     clock: Callable[[], float] = time.monotonic  # `rollover simulate` drives the trainer in virtual time
     progress: Progress = field(default_factory=NullProgress)  # live display of the running step
     world_size: int = 1  # trainer ranks taking part in each update
+    images: SampleImages | None = None  # a vision-language model's: the samples' pixel inputs
 
     def __post_init__(self) -> None:
         settings = self.settings
@@ -254,6 +256,9 @@ class Trainer:
             fill=self.settings.reward_fillna_value,
             policy_version=self.policy_version,
         )
+        if self.images is not None:
+            batch, mismatched = await self.images.attach(batch)
+            sample_metrics["training/n_image_mismatch_samples"] = mismatched
         samples = batch.samples
         completed = [r for g in result.completed_groups for r in g]
         self._check_failing(completed, int(sample_metrics["rollouts/n_failed"]))

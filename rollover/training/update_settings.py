@@ -218,6 +218,7 @@ class ActorSettings:
     reference: ReferenceSettings | None = None
     lora: LoraSettings | None = None
     gradient_checkpointing: bool = False
+    freeze_vision_tower: bool = False  # a vision-language model's vision tower is not trained
     device: str = "auto"
     seed: int = 0
 
@@ -270,6 +271,7 @@ class ActorSettings:
             if model.lora
             else None,
             gradient_checkpointing=model.enable_gradient_checkpointing,
+            freeze_vision_tower=model.freeze_vision_tower,
             device=config.trainer.device,
             seed=config.trainer.seed,
         )

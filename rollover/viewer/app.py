@@ -162,6 +162,15 @@ def build_app(run: RunFolder, key: str, allowed_hosts: tuple[str, ...] = ()) -> 
     async def rollout(rollout_id: str) -> dict[str, Any]:
         return await run.rollout(rollout_id)
 
+    @app.get("/api/images/{sha256}")
+    async def image(sha256: str) -> Response:
+        """A call's image as recorded (the gateway took only PNG, JPEG, GIF and WEBP)."""
+        found = await run.image(sha256)
+        if found is None:
+            raise HTTPException(404, f"no image {sha256:.80}")
+        media_type, data = found
+        return Response(data, media_type=media_type, headers={"Cache-Control": "max-age=86400, immutable"})
+
     return app
 
 

@@ -189,6 +189,13 @@ class RunFolder:
             row["final_response"] = _reply_text(_call(calls[-1])) if calls else None
         return rows
 
+    async def image(self, sha256: str) -> tuple[str, bytes] | None:
+        """A recorded image (media type and bytes) by its content hash."""
+        store = self.store
+        if store is None:
+            return None
+        return (await store.images([sha256])).get(sha256)
+
     async def rollout(self, rollout_id: str) -> dict[str, Any]:
         store = self.store
         if store is None:
@@ -417,6 +424,8 @@ def _call(event: Event, reward: float | None = None) -> dict[str, Any]:
         "finish_reason": choice.get("finish_reason"),
         "usage": response.get("usage"),
         "error": response.get("error") if data.get("status_code") != 200 else None,
+        # Its images (hash, format, size), in prompt order; the page shows them beside the turn.
+        "images": [image for image in data.get("images") or [] if isinstance(image, dict)],
         "n_prompt_tokens": len(data.get("prompt_token_ids") or []),
         "n_response_tokens": len(data.get("response_token_ids") or []),
     }

@@ -187,3 +187,15 @@ def test_weight_sync_full_vs_lora_smoke(tmp_path):
     assert 0 < lora_mb < full_mb
     memory_full, memory_lora = (float(v) for v in re.findall(r"peak memory (\d+) MB vs (\d+) MB", line)[0])
     assert memory_full > 0 and memory_lora > 0
+
+
+def test_image_store_smoke(capsys):
+    """Ten turns re-sending one screenshot store it once: the store grows by about one image
+    plus the records' text, far below keeping each call's copy."""
+    from benchmarks import image_store
+
+    assert image_store.main(["--turns", "10", "--size", "320x200", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["images_stored"] == 1
+    assert result["store_growth_bytes"] < 2 * result["one_image_plus_text_bytes"]
+    assert result["ratio_inline_to_stored"] > 3

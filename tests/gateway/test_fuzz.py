@@ -41,7 +41,9 @@ class Fuzzed:
         admin = self.admin
         admin.post("/proxy/resume").raise_for_status()
         admin.delete("/api/models").raise_for_status()
-        admin.post("/api/models", json=[{"model": "policy", "endpoint": self.stub.base_url}]).raise_for_status()
+        # An engine that takes images (two a prompt), so image parts reach their checks.
+        entry = {"model": "policy", "endpoint": self.stub.base_url, "max_images": 2}
+        admin.post("/api/models", json=[entry]).raise_for_status()
         for rid in (RUN, QUEUED):
             state = admin.post("/api/rollouts", json=[{"rollout_id": rid, "input": {"q": 1}}]).json()[0]["status"]
             if state["state"] != ("running" if rid == RUN else "queuing") or (
@@ -58,7 +60,7 @@ class Fuzzed:
         with closing(sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)) as conn:
             return tuple(
                 conn.execute(f"SELECT * FROM {table} ORDER BY rowid").fetchall()
-                for table in ("rollouts", "attempts", "events")
+                for table in ("rollouts", "attempts", "events", "images")
             )
 
 
@@ -320,3 +322,112 @@ def test_auth_matrix_on_every_endpoint(fuzzed):
                 assert fuzzed.rows() == before, (who, method, path)
     assert httpx.get(f"{fuzzed.gateway.url}/healthz").status_code == 200  # the one endpoint with no key
     assert len(seen) == len(keys) * len(endpoints(""))
+
+
+# -- image parts ------------------------------------------------------------------------
+
+
+def _png(size: tuple[int, int] = (28, 28)) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, "white").save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+PNG = _png()
+
+
+@st.composite
+def image_urls(draw: st.DrawFn) -> str:
+    """A valid image's data: URL, or one broken in a way an agent might break it."""
+    import base64
+
+    kind = draw(
+        st.sampled_from(["valid", "truncated", "flipped", "bytes", "text", "http", "media", "no-base64", "padding"])
+    )
+    data = PNG
+    if kind == "truncated":
+        data = PNG[: draw(st.integers(0, len(PNG) - 1))]
+    elif kind == "flipped":
+        at = draw(st.integers(0, len(PNG) - 1))
+        data = PNG[:at] + bytes([PNG[at] ^ 0xFF]) + PNG[at + 1 :]
+    elif kind == "bytes":
+        data = draw(st.binary(max_size=64))
+    encoded = base64.b64encode(data).decode()
+    if kind == "text":
+        return draw(st.text(max_size=40))
+    if kind == "http":
+        return "https://example.com/" + draw(st.text(max_size=10))
+    if kind == "media":
+        return f"data:{draw(st.text(max_size=12))};base64,{encoded}"
+    if kind == "no-base64":
+        return "data:image/png," + encoded
+    if kind == "padding":
+        return "data:image/png;base64," + encoded[: draw(st.integers(0, len(encoded)))] + draw(st.text(max_size=3))
+    return "data:image/png;base64," + encoded
+
+
+@st.composite
+def image_requests(draw: st.DrawFn) -> tuple[str, Any]:
+    """A call with 0 to 3 image parts (the engine takes 2) on one of the three routes, the parts
+    sometimes malformed around the URL too."""
+    route = draw(st.sampled_from(["chat", "anthropic", "responses"]))
+    urls = draw(st.lists(image_urls(), max_size=3))
+    odd = draw(st.sampled_from([None, None, None, "number", "list", "object"]))
+    if route == "chat":
+        parts: list[Any] = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+        if odd is not None:
+            parts.append({"type": "image_url", "image_url": {"number": 1, "list": [], "object": {}}[odd]})
+        return route, {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}]}
+    if route == "anthropic":
+        blocks: list[Any] = [{"type": "image", "source": {"type": "url", "url": url}} for url in urls]
+        if odd is not None:
+            blocks.append({"type": "image", "source": {"type": "base64", "media_type": 1, "data": [odd]}})
+        blocks.append({"type": "text", "text": "hi"})
+        return route, {"model": "policy", "max_tokens": 4, "messages": [{"role": "user", "content": blocks}]}
+    items: list[Any] = [{"type": "input_image", "image_url": url} for url in urls]
+    if odd is not None:
+        items.append({"type": "input_image", "file_id": odd})
+    return route, {
+        "model": "policy",
+        "input": [{"role": "user", "content": [*items, {"type": "input_text", "text": "hi"}]}],
+    }
+
+
+IMAGE_PATHS = {
+    "chat": f"/proxy/rollout/{RUN}/attempt/a1/mode/train/openai/v1/chat/completions",
+    "anthropic": f"/proxy/rollout/{RUN}/attempt/a1/mode/train/anthropic/v1/messages",
+    "responses": f"/proxy/rollout/{RUN}/attempt/a1/mode/train/openai/v1/responses",
+}
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=150,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(request=image_requests())
+def test_fuzzed_image_parts_never_5xx_and_refusals_change_nothing(fuzzed, request):
+    """Every image part is taken (the store then holds each image once) or refused with a 400
+    that names why, in the route's shape; a refusal leaves the store as it was and no answer
+    repeats the image's data."""
+    import base64
+
+    route, body = request
+    fuzzed.reset()
+    before = fuzzed.rows()
+    path = IMAGE_PATHS[route]
+    response = fuzzed.client.post(path, json=body, headers={"x-api-key": KEYS["agent"]})
+    assert response.status_code in (200, 400), (route, body, response.status_code, response.text)
+    if response.status_code == 400:
+        assert error_message(path, response.json())
+        assert fuzzed.rows() == before, (route, body, response.text)
+    else:
+        images = fuzzed.rows()[3]
+        assert len(images) == len({row[0] for row in images})  # each content once
+    assert base64.b64encode(PNG).decode()[:32] not in response.text

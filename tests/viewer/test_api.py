@@ -94,3 +94,52 @@ def test_the_viewer_refuses_a_foreign_host_and_a_missing_key(viewer):
 def test_view_command_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
     assert main(["view", str(tmp_path)]) == 2
     assert "neither store.db nor metrics.jsonl" in capsys.readouterr().err
+
+
+def test_each_call_shows_its_images(tmp_path):
+    """A call with an image (recorded as the gateway records it: by reference, the bytes once in
+    the store) lists it beside its turn, and the page gets the picture back as it was sent."""
+    import asyncio
+    import hashlib
+    import io
+
+    from PIL import Image
+
+    from rollover.store import EventCreate, RolloutCreate, RolloutState, RolloutStore, StatusFields
+    from tests.viewer.runfolder import call_event
+
+    run_dir = write_run(tmp_path / "run")
+    buffer = io.BytesIO()
+    Image.new("RGB", (56, 28), "teal").save(buffer, "PNG")
+    data = buffer.getvalue()
+    sha = hashlib.sha256(data).hexdigest()
+    event = call_event("user what is 2 + 3 ? assistant", "ANSWER: 5 <eos>", 1)
+    message = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"rollover-image:{sha}"}}]}
+    image = {"sha256": sha, "media_type": "image/png", "width": 56, "height": 28, "bytes": len(data)}
+
+    async def add(store: RolloutStore) -> None:
+        await store.add_rollouts([RolloutCreate(rollout_id="r-img", metadata={"data_id": "gi", "enqueued_step": 0})])
+        await store.update_status("r-img", StatusFields(state=RolloutState.RUNNING, last_attempt_id="a1"))
+        record = event.data | {"request": {"messages": [message]}, "images": [image]}
+        await store.record_event("r-img", "a1", "model_request", record, images=[(sha, "image/png", data)])
+        await store.add_event("r-img", "a1", EventCreate(event_type="reward", data={"value": 1.0}))
+        await store.update_status("r-img", StatusFields(state=RolloutState.SUCCEEDED))
+
+    store = RolloutStore(run_dir / "store.db")
+    try:
+        asyncio.run(add(store))
+    finally:
+        store.close()
+    with (
+        ViewerThread(RunFolder(run_dir), key="k") as server,
+        httpx.Client(base_url=server.url, timeout=30, headers={"x-api-key": "k"}) as http,
+    ):
+        [call] = http.get("api/rollouts/r-img").json()["calls"]
+        assert call["images"] == [image]
+        assert call["messages"] == [message]  # the page turns the reference into the picture
+        picture = http.get(f"api/images/{sha}")
+        assert picture.status_code == 200 and picture.content == data
+        assert picture.headers["content-type"] == "image/png"
+        assert http.get("api/images/" + "0" * 64).status_code == 404
+        script = http.get("static/app.js").text
+        assert "rollover-image:" in script and "call-images" in script

@@ -27,7 +27,7 @@ from rollover.gateway.apis.common import (
     EventBuffer,
     arguments_object,
     function_tool,
-    image_refused,
+    image_part,
     new_id,
     sse,
     validated,
@@ -289,24 +289,24 @@ def _assistant(blocks: list[Any], where: str, tool_use_ids: set[str], unhonoured
 
 def _user(blocks: list[Any], where: str, tool_use_ids: set[str]) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
     for index, block in enumerate(blocks):
         place = f"{where}.content.{index}"
         if isinstance(block, TextBlock):
-            texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
         elif isinstance(block, ToolResultBlock):
             if block.tool_use_id not in tool_use_ids:
                 raise ApiError(
                     400,
                     f"{place}: tool_result names tool_use_id {block.tool_use_id!r}, which no earlier tool_use block has",
                 )
-            results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block, place)})
+            results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _result(block, place)})
         elif isinstance(block, ImageBlock):
-            raise image_refused(place)
+            parts.append(_image(block, place))
         else:
             raise ApiError(400, f"{place}: a {block.type} block cannot be in a user message")
-    if texts:
-        content: Any = texts[0] if len(texts) == 1 else [{"type": "text", "text": text} for text in texts]
+    if parts:
+        content: Any = parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
         results.append({"role": "user", "content": content})
     return results
 
@@ -320,15 +320,32 @@ def _system_text(blocks: list[Any], where: str) -> str:
     return "\n\n".join(texts)
 
 
-def _result_text(block: ToolResultBlock, place: str) -> str:
+def _result(block: ToolResultBlock, place: str) -> Any:
+    """A tool result's content: its text, or its text and images as parts (a screenshot)."""
     if isinstance(block.content, str):
         return block.content
-    parts = []
-    for index, part in enumerate(block.content):
-        if isinstance(part, ImageBlock):
-            raise image_refused(f"{place}.content.{index}")
-        parts.append(part.text)
-    return "\n".join(parts)
+    if not any(isinstance(part, ImageBlock) for part in block.content):
+        return "\n".join(part.text for part in block.content if isinstance(part, TextBlock))
+    return [
+        _image(part, f"{place}.content.{index}")
+        if isinstance(part, ImageBlock)
+        else {"type": "text", "text": part.text}
+        for index, part in enumerate(block.content)
+    ]
+
+
+def _image(block: ImageBlock, place: str) -> dict[str, Any]:
+    """An image block's source (`base64` or a data: `url`) as an `image_url` part."""
+    source = block.source
+    kind = source.get("type")
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not isinstance(data, str):
+            raise ApiError(400, f"{place}.source: a base64 source has string media_type and data")
+        return image_part(f"data:{media_type};base64,{data}", f"{place}.source")
+    if kind == "url":
+        return image_part(source.get("url"), f"{place}.source.url")
+    raise ApiError(400, f"{place}.source: only base64 and url image sources are taken, not {kind!r:.50}")
 
 
 def _note_extras(blocks: list[Any], unhonoured: list[str]) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from rollover import codec
+from rollover.gateway.images import NO_NETWORK
 from rollover.gateway.streaming import StreamTranslator
 
 ApiName = Literal["anthropic", "responses"]
@@ -147,9 +148,14 @@ def function_tool(name: str, description: str | None, parameters: dict[str, Any]
     return {"type": "function", "function": function}
 
 
-def image_refused(where: str) -> ApiError:
-    """Images need a vision model (issue: agents that see); the served ones read text."""
-    return ApiError(400, f"{where}: the served model takes no images (a text-only model): send text")
+def image_part(url: Any, where: str) -> dict[str, Any]:
+    """An image as the chat route takes it (an `image_url` part). Its data is checked where
+    every route's images are (`gateway.images`), as is whether the served model takes images."""
+    if not isinstance(url, str):
+        raise ApiError(400, f"{where}: an image is given as a data: URL string")
+    if url.startswith(("http://", "https://")):
+        raise ApiError(400, f"{where}: {NO_NETWORK}")
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def new_id(prefix: str) -> str:

@@ -28,7 +28,7 @@ from rollover.gateway.apis.common import (
     ChatAnswer,
     EventBuffer,
     function_tool,
-    image_refused,
+    image_part,
     new_id,
     sse,
     validated,
@@ -64,6 +64,9 @@ class RefusalPart(_Open):
 
 class ImagePart(_Open):
     type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
 
 
 class FilePart(_Open):
@@ -245,7 +248,7 @@ def chat_messages(items: list[Any], unhonoured: list[str]) -> list[dict[str, Any
     for position, item in enumerate(items):
         where = f"input.{position}"
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": _text(item.content, where)})
+            messages.append({"role": item.role, "content": _content(item.content, where)})
         elif isinstance(item, FunctionCallItem):
             call = {
                 "id": item.call_id,
@@ -260,26 +263,31 @@ def chat_messages(items: list[Any], unhonoured: list[str]) -> list[dict[str, Any
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, where)})
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _content(item.output, where)})
         else:  # reasoning: the served models' templates render no earlier reasoning
             unhonoured.append("reasoning items")
     return messages
 
 
-def _text(content: str | list[Any], where: str) -> str:
+def _content(content: str | list[Any], where: str) -> Any:
+    """A message's content: its text, or (with images) its text and images as chat parts."""
     if isinstance(content, str):
         return content
-    parts = []
-    for index, part in enumerate(content):
-        if isinstance(part, TextPart):
-            parts.append(part.text)
-        elif isinstance(part, RefusalPart):
-            parts.append(part.refusal)
-        elif isinstance(part, ImagePart):
-            raise image_refused(f"{where}.content.{index}")
-        else:
-            raise ApiError(400, f"{where}.content.{index}: files are not served here; send their text")
-    return "".join(parts)
+    if not any(isinstance(part, ImagePart) for part in content):
+        return "".join(_part(part, f"{where}.content.{index}")["text"] for index, part in enumerate(content))
+    return [_part(part, f"{where}.content.{index}") for index, part in enumerate(content)]
+
+
+def _part(part: Any, where: str) -> dict[str, Any]:
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text}
+    if isinstance(part, RefusalPart):
+        return {"type": "text", "text": part.refusal}
+    if isinstance(part, ImagePart):
+        if part.image_url is None:
+            raise ApiError(400, f"{where}: images are taken as image_url (a data: URL), not by file_id")
+        return image_part(part.image_url, f"{where}.image_url")
+    raise ApiError(400, f"{where}: files are not served here; send their text")
 
 
 def _tools(tools: list[dict[str, Any]], unhonoured: list[str]) -> list[dict[str, Any]]:

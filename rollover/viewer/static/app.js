@@ -383,10 +383,30 @@ async function viewGroup(group) {
     siblingCards(data.rollouts, null));
 }
 
+// A message's content: its text, with each recorded image (an image_url part whose URL is the
+// record's reference "rollover-image:<sha256>") shown as the picture the model got.
+const IMAGE_REF = "rollover-image:";
+
+function imageView(sha256, title) {
+  return el("a", { href: `/api/images/${sha256}`, target: "_blank", title: title || sha256 },
+    el("img", { class: "call-image", src: `/api/images/${sha256}`, alt: `image ${sha256.slice(0, 12)}` }));
+}
+
+function contentView(content) {
+  if (typeof content === "string") return content;
+  if (content === null || content === undefined) return "";
+  if (!Array.isArray(content)) return JSON.stringify(content, null, 1);
+  return content.map((part) => {
+    const url = part && part.image_url && (typeof part.image_url === "string" ? part.image_url : part.image_url.url);
+    if (typeof url === "string" && url.startsWith(IMAGE_REF)) return imageView(url.slice(IMAGE_REF.length));
+    if (part && part.type === "text") return part.text;
+    return JSON.stringify(part, null, 1);
+  });
+}
+
 function messageView(message, cls) {
   const role = message.role || "?";
-  const content = typeof message.content === "string" ? message.content
-    : message.content === null || message.content === undefined ? "" : JSON.stringify(message.content, null, 1);
+  const content = contentView(message.content);
   const calls = (message.tool_calls || []).map((c) => el("div", { class: "toolcall" },
     `${(c.function && c.function.name) || c.type}(${(c.function && c.function.arguments) || ""})`));
   return el("div", { class: `msg ${cls || ""}` }, el("div", { class: "role" }, role,
@@ -421,8 +441,11 @@ function callView(call, index) {
   if (call.error) body.push(el("div", { class: "error" }, JSON.stringify(call.error)));
   const reward = call.reward === null || call.reward === undefined ? null
     : el("span", { class: "reward-marker", title: "the rewards posted for this turn" }, `reward ${fmt(call.reward)}`);
+  const images = (call.images || []).length ? el("div", { class: "call-images", title: "the images of this turn, in prompt order" },
+    call.images.map((i) => el("figure", {}, imageView(i.sha256, `${i.media_type} ${i.width}x${i.height}, ${i.bytes} bytes`),
+      el("figcaption", { class: "muted mono" }, `${i.width}x${i.height}`)))) : null;
   return el("div", { class: "card call", dataset: { call: call.event_id } },
-    el("div", { class: "meta" }, meta.map((m) => el("span", {}, m)), reward), body,
+    el("div", { class: "meta" }, meta.map((m) => el("span", {}, m)), reward), images, body,
     call.tools ? el("details", {}, el("summary", {}, "tools offered"), el("pre", { class: "json" }, JSON.stringify(call.tools, null, 1))) : null,
     el("details", {}, el("summary", {}, "request parameters"), el("pre", { class: "json" }, JSON.stringify(call.params, null, 1))));
 }
