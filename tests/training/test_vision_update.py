@@ -18,7 +18,7 @@ from rollover.config import load_config
 from rollover.modelzoo.tiny_vl import IMAGE_PAD, build_tiny_vl_model
 from rollover.training.actor import Actor
 from rollover.training.images import SampleImages
-from rollover.training.logprobs import token_logprobs
+from rollover.training.logprobs import token_logprobs, token_logprobs_and_sum_pi_squared
 from rollover.training.samples import RolloutScore, Sample, UpdateBatch, build_samples, collate
 from rollover.training.update_settings import ActorSettings
 from rollover.vision.inputs import expand_placeholders, load_image_processor, pixel_inputs
@@ -212,3 +212,35 @@ def test_a_sample_reads_the_same_alone_and_in_a_padded_batch(model_dir: Path) ->
     together = response_logprobs(policy, [first, text_only, second])
     for one, batched in zip(alone, together):
         assert torch.allclose(one, batched, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_pi_ref_and_sum_pi_squared_see_the_image(model_dir: Path, lora: bool) -> None:
+    """The passes before the optimizer steps (π_old with Σπ², π_ref: the frozen model, or with
+    LoRA the adapter switched off) give an image sample its pixels, as the loss's pass does."""
+    policy = policy_of(
+        model_dir,
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "algorithm.adv_estimator=optimal_token_baseline",
+        *(["actor_rollout_ref.model.lora_rank=4"] if lora else []),
+    )
+    assert policy.reference is not None
+    sample = image_sample(policy, model_dir, picture("7", "black"), 1.0, "a")
+    other = image_sample(policy, model_dir, picture("3", "white"), 0.0, "b")  # the same tokens
+    [with_image] = response_logprobs(policy, [sample])
+    [recomputed] = policy.recompute([sample])
+    assert recomputed.ref is not None and recomputed.sum_pi_squared is not None
+    assert torch.allclose(recomputed.old, with_image, atol=1e-5)
+    assert torch.allclose(recomputed.ref, with_image, atol=1e-5)  # the reference is the model as it started
+    [other_image] = response_logprobs(policy, [other])
+    assert not torch.allclose(recomputed.ref, other_image, atol=1e-4)
+    batch = collate([sample], policy.pad_token_id)
+    with torch.no_grad():
+        _, squares = token_logprobs_and_sum_pi_squared(
+            policy.model,
+            batch["input_ids"],
+            batch["attention_mask"],
+            pixel_values=batch["pixel_values"],
+            image_grid_thw=batch["image_grid_thw"],
+        )
+    assert torch.allclose(recomputed.sum_pi_squared, squares[0, : len(sample) - 1], atol=1e-5)
