@@ -60,11 +60,11 @@ def run_claude_code(
     )
 
 
-async def run_agents_sdk(folder: Path, task: dict[str, Any], max_turns: int = 4) -> str:
+async def run_agents_sdk(folder: Path, task: dict[str, Any], max_turns: int = 4, run_config: Any = None) -> str:
     """The Agents SDK agent on `task` (its notes written in `folder`), with one function tool that
     reads the folder's files, and its default model: the Responses API through
     `OPENAI_BASE_URL`/`OPENAI_API_KEY`. Returns its final output."""
-    from agents import Agent, ModelSettings, Runner, function_tool
+    from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
 
     write_notes(folder, task)
 
@@ -83,11 +83,24 @@ async def run_agents_sdk(folder: Path, task: dict[str, Any], max_turns: int = 4)
         model="policy",
         model_settings=ModelSettings(max_tokens=64),
     )
-    result = await Runner.run(agent, prompt(NOTES), max_turns=max_turns)
+    result = await Runner.run(agent, prompt(NOTES), max_turns=max_turns, run_config=run_config or RunConfig())
     return str(result.final_output)
 
 
 def run_agents_sdk_sync(folder: Path, task: dict[str, Any], env: dict[str, str]) -> str:
     """`run_agents_sdk` with the standard variables of `env` (in this process, for the capture)."""
     with mock.patch.dict(os.environ, env):
-        return asyncio.run(run_agents_sdk(folder, task))
+        return asyncio.run(_run_agents_sdk_once(folder, task))
+
+
+async def _run_agents_sdk_once(folder: Path, task: dict[str, Any]) -> str:
+    """`run_agents_sdk` with a client of this event loop's own: the SDK's default shares one
+    HTTP client per process, whose pooled connections die with the first loop that used them
+    (a second capture in one process then fails with "Event loop is closed"). The client reads
+    the same variables the default does."""
+    from agents import OpenAIProvider, RunConfig
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI() as client:
+        config = RunConfig(model_provider=OpenAIProvider(openai_client=client, use_responses=True))
+        return await run_agents_sdk(folder, task, run_config=config)

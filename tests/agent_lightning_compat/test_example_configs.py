@@ -23,6 +23,9 @@ from tests.agent_lightning_compat.example_configs import (
 )
 
 # The keys each example sets that load but change nothing here (rollover/config/no_effect.py).
+# The examples whose loss_agg_mode reaches only the entropy and KL terms here (the policy-gradient
+# term is reduced per rollout, Agent Lightning's default loss), and the mode they set.
+AGG_MODE_NOTE: dict[str, str] = {"llm-in-sandbox": "seq-mean-token-sum"}
 NO_EFFECT: dict[str, set[str]] = {
     "calc_x": {"actor_rollout_ref.model.use_remove_padding"},
     "gsm8k": {"actor_rollout_ref.model.use_remove_padding"},
@@ -124,7 +127,12 @@ def test_an_example_loads_as_agent_lightning_composes_it(name, tmp_path, caplog)
     assert {key: loaded.get(key, "<missing>") for key in given} == given
     for key, value in {**BASE_MATHS, **MATHS[name]}.items():
         assert value_at(config, key) == value, key
-    # one line per key that changes nothing here, naming it; one for Hydra's directives
+    # one line per key that changes nothing here, naming it; one for Hydra's directives; and
+    # where the example sets loss_agg_mode beside per_rollout_mean, one saying which term it reaches
+    notes = [line for line in warnings if "applies to the entropy and KL loss terms only" in line]
+    assert len(notes) == (name in AGG_MODE_NOTE), warnings
+    assert all(f"loss_agg_mode={AGG_MODE_NOTE[name]}" in line for line in notes)
+    warnings = [line for line in warnings if line not in notes]
     assert len(warnings) == 1 + len(NO_EFFECT[name]), warnings
     assert "'hydra', 'defaults'" in warnings[0]
     assert no_effect_keys(warnings) == NO_EFFECT[name]

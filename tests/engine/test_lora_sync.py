@@ -197,7 +197,9 @@ def test_a_lora_run_trains_resumes_and_exports(lora_engine, calc_model, tmp_path
     assert not (step_2 / "model.safetensors").exists()
     assert lora_engine.adapter_name == "policy-lora"
     [node_adapters] = (run / "weights").iterdir()
-    assert [p.name for p in node_adapters.iterdir()] == ["v2"]  # only the served version is kept
+    # Only the last version is kept, beside the stable folder the engine serves it from.
+    assert sorted(p.name for p in node_adapters.iterdir()) == ["served", "v2"]
+    assert [p.name for p in (node_adapters / "served").iterdir()] == ["policy-lora"]
 
     train, _ = train_briefly(calc, tmp_path, calc_model, "lora", 3, *small, "resume=true", engine=lora_engine)
     assert train[-1]["policy/version"] == 2  # the resumed step starts from the saved version

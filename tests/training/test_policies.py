@@ -186,7 +186,7 @@ def test_bad_policy_configs_are_refused_with_the_key(overrides, message):
 
 def test_one_policy_runs_keep_the_single_adapter_layout(model_dir, tmp_path):
     policy = Actor.load(model_dir, ActorSettings.from_config(load_config(None, [*BASE, *LORA])))
-    assert policy.policies == () and len(policy.optimizer.param_groups) == 1
+    assert policy.settings.policies == () and len(policy.optimizer.param_groups) == 1
     saved = policy.save(tmp_path / "model")
     assert adapter_folder.is_adapter(saved) and adapter_folder.policy_adapters(saved) == {}
     assert main(["model", "merge", str(saved), "--policy", "x", "--out", str(tmp_path / "m")]) == 2
