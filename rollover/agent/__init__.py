@@ -119,14 +119,18 @@ class AgentContext:
         response.raise_for_status()
         return response.json()
 
-    def report_reward(self, value: float) -> dict[str, Any]:
-        """Record the rollout's reward (the last one reported wins, so a retry is harmless)."""
-        return self.emit("reward", {"value": float(value)}, idempotent=True)
+    def report_reward(self, value: float, call_id: str | None = None) -> dict[str, Any]:
+        """Record the rollout's reward (the last one reported wins, so a retry is harmless), or
+        with `call_id` (a call's `X-Agl-Call-Id` header) the reward of that turn: a call's
+        rewards add up, so a post cut off after it was sent is not sent again."""
+        if call_id is None:
+            return self.emit("reward", {"value": float(value)}, idempotent=True)
+        return self.emit("reward", {"value": float(value), "call_id": call_id})
 
 
-def report_reward(value: float) -> dict[str, Any]:
-    """`report_reward(1.0)` from inside an agent run by Rollover."""
-    return AgentContext.from_env().report_reward(value)
+def report_reward(value: float, call_id: str | None = None) -> dict[str, Any]:
+    """`report_reward(1.0)` from inside an agent run by Rollover (`call_id`: a turn's reward)."""
+    return AgentContext.from_env().report_reward(value, call_id)
 
 
 def rollout_input() -> Any:

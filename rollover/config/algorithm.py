@@ -20,6 +20,7 @@ AdvEstimator = Literal[
     "grpo_passk",
     "gpg",
     "optimal_token_baseline",
+    "turn_return",
 ]
 # verl's estimators that cannot run here, and why (each refused in one line).
 REFUSED_ESTIMATORS = {
@@ -211,7 +212,13 @@ class FilterGroupsConfig(Section):
 class AlgorithmConfig(Section):
     adv_estimator: AdvEstimator = Field(
         default="grpo",
-        description="grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | opo | grpo_passk | gpg | optimal_token_baseline (verl's meanings)",
+        description="grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | opo | grpo_passk | gpg | optimal_token_baseline (verl's meanings) | turn_return (rewards per turn: each turn's discounted return less the group's other rollouts' mean return)",
+    )
+    gamma: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="turn_return's discount per turn (verl's key; its GAE discount per token is not used here)",
     )
     norm_adv_by_std_in_grpo: bool = Field(
         default=True, description="GRPO divides by the group's std; false = Dr. GRPO (centred only)"

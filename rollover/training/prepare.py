@@ -17,7 +17,7 @@ In order (verl's `ray_trainer` order):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,6 +36,7 @@ from rollover.training.loss.aggregate import rollout_row_divisors
 from rollover.training.loss.correction import importance_weights, rejection_mask
 from rollover.training.loss.kl import kl_estimate
 from rollover.training.samples import RolloutScore, Sample, pad_rows
+from rollover.training.turns import spread_metrics, turn_metrics, turn_token_advantages
 from rollover.training.update_settings import UpdateSettings
 
 
@@ -98,6 +99,7 @@ def prepare_update(
     )
     metrics |= reward_metrics
     advantages = token_advantages(samples, units, trained, token_rewards, scores, recomputed, is_weights, settings)
+    metrics |= turn_spread_metrics(samples, units, trained, advantages, scores, settings)
     divisors = (
         row_divisors(samples, units, trained, policies)
         if settings.loss.pg_aggregation == "per_rollout_mean"
@@ -211,6 +213,8 @@ def token_advantages(
         by_unit = {score.unit: value for score, value in zip(scores, values)}
         per_token = [by_unit.get(u, 0.0) * m for u, m in zip(units, trained)]
         return whiten(per_token, trained) if estimator == "reinforce_plus_plus_baseline" else per_token
+    if estimator == "turn_return":
+        return turn_token_advantages(samples, units, trained, *_scores_and_groups(scores), settings.gamma)
     returns = [reward_to_go(r * m) for r, m in zip(token_rewards, trained)]
     if estimator == "reinforce_plus_plus":
         return whiten(returns, trained)
@@ -224,6 +228,27 @@ def token_advantages(
         groups = [group_of.get(u, GroupKey(s.group_id, u.policy)) for s, u in zip(samples, units)]
         return optimal_token_baseline(returns, weights, trained, groups)
     raise ValueError(f"algorithm.adv_estimator={estimator} has no advantage function")
+
+
+def _scores_and_groups(scores: Sequence[UnitScore]) -> tuple[dict[Unit, float], dict[Unit, GroupKey]]:
+    return {u.unit: u.score for u in scores}, {u.unit: u.group for u in scores}
+
+
+def turn_spread_metrics(
+    samples: Sequence[Sample],
+    units: Sequence[Unit],
+    trained: Sequence[torch.Tensor],
+    advantages: Sequence[torch.Tensor],
+    scores: Sequence[UnitScore],
+    settings: UpdateSettings,
+) -> dict[str, float]:
+    """The turns' metrics (`turns.turn_metrics`), and how the advantages vary within a sample
+    (with `turn_return`, also against the outcome alone: no turn rewards, γ = 1)."""
+    outcome = None
+    if settings.estimator == "turn_return":
+        plain = [replace(s, turns=tuple(replace(t, reward=None) for t in s.turns)) for s in samples]
+        outcome = turn_token_advantages(plain, units, trained, *_scores_and_groups(scores), 1.0)
+    return turn_metrics(samples) | spread_metrics(advantages, outcome, trained)
 
 
 def row_divisors(

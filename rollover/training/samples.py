@@ -44,6 +44,17 @@ from rollover.vision.inputs import PixelInputs, concatenated
 Cut = Literal["left", "right"]
 
 
+@dataclass(frozen=True)
+class Turn:
+    """One call merged into a sample: the index in ``input_ids`` of its last response token, its
+    position among the rollout's recorded calls, and the reward posted for it (None: none;
+    `store.rewards` attributes each reward event to a call)."""
+
+    end: int
+    order: int
+    reward: float | None = None
+
+
 @dataclass
 class Sample:
     """One training sequence. All per-token lists have the length of ``input_ids``."""
@@ -62,6 +73,8 @@ class Sample:
     # the trainer has put them through the model's processor (`vision.attach_pixels`).
     images: tuple[str, ...] = ()
     pixels: PixelInputs | None = None
+    # Its calls in order (a sample cut to its budget keeps those whose last token it keeps).
+    turns: tuple[Turn, ...] = ()
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -85,6 +98,7 @@ class _Builder:
     loss_mask: list[int] = field(default_factory=list)
     behaviour_logprobs: list[float] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
 
     def add_context(self, tokens: Sequence[int]) -> None:
         self.input_ids.extend(tokens)
@@ -171,11 +185,14 @@ def build_samples(
             current.add_context(prompt)
         current.images = images
         current.add_response(response, logprobs, versions)
+        posted = triplet.get("reward")  # this call's own reward (`store.rewards`), if any
+        current.turns.append(Turn(len(current) - 1, position, float(posted) if posted is not None else None))
 
     samples: list[Sample] = []
     for builder in builders:
         n = len(builder.input_ids)
         keep = slice(0, n) if max_length is None or n <= max_length else _cut(n, max_length, cut)
+        turns = _kept_turns(builder.turns, keep)
         sample = Sample(
             rollout_id=rollout_id,
             group_id=group_id,
@@ -187,10 +204,24 @@ def build_samples(
             truncated=max_length is not None and n > max_length,
             policy=builder.policy,
             images=builder.images,
+            turns=turns,
         )
         if sample.num_loss_tokens > 0:
             samples.append(sample)
     return samples
+
+
+def _kept_turns(turns: Sequence[Turn], keep: slice) -> tuple[Turn, ...]:
+    """The turns of the tokens `keep` holds, their ends shifted to its indices: a turn cut at the
+    right ends at the last token kept, and those after it are gone."""
+    kept: list[Turn] = []
+    for turn in turns:
+        if turn.end < keep.start:
+            continue
+        kept.append(Turn(min(turn.end, keep.stop - 1) - keep.start, turn.order, turn.reward))
+        if turn.end >= keep.stop - 1:
+            break
+    return tuple(kept)
 
 
 def _longest_prefix(

@@ -92,6 +92,7 @@ class UpdateSettings:
     kl_in_reward: KLType | None = None  # the KL estimator subtracted from the reward; None: off
     estimator: AdvEstimator = "grpo"
     norm_adv_by_std: bool = True
+    gamma: float = 1.0  # turn_return's discount per turn
     correction: Correction = Correction()
     temperature: float = 1.0
     grad_clip: float = 1.0
@@ -130,6 +131,7 @@ class UpdateSettings:
             kl_in_reward=algorithm.kl_penalty if algorithm.use_kl_in_reward else None,
             estimator=algorithm.adv_estimator,
             norm_adv_by_std=algorithm.norm_adv_by_std_in_grpo,
+            gamma=algorithm.gamma,
             correction=Correction(
                 correction.rollout_is,
                 correction.rollout_is_threshold,

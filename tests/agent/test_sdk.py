@@ -53,3 +53,14 @@ def test_sdk_client_rides_out_a_pause(gateway, admin, rollout):
 def test_missing_env_is_a_clear_error():
     with pytest.raises(AgentEnvError, match="AGL_EVENT_URL"):
         AgentContext.from_env({"AGL_OPENAI_BASE_URL": "x", "AGL_KEY": "k"})
+
+
+def test_sdk_reports_a_turns_reward_by_its_call_id(gateway, admin, rollout):
+    ctx = AgentContext.from_env(agent_env(gateway, rollout))
+    reply = ctx.openai().chat.completions.with_raw_response.create(
+        model="policy", messages=[{"role": "user", "content": "hi"}]
+    )
+    ctx.report_reward(0.25, call_id=reply.headers["x-agl-call-id"])
+    ctx.report_reward(1.0)
+    bundle = admin.get(f"/api/rollouts/{rollout}/events", params={"format": "samples"}).json()
+    assert bundle["reward"] == 1.0 and [t["reward"] for t in bundle["triplets"]] == [0.25]
