@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rollover.distributed.split import balanced_split
-from rollover.training.samples import RolloutScore, Sample, UpdateBatch
+from rollover.training.samples import RolloutScore, Sample, Turn, UpdateBatch
 from tests.distributed import update_worker
 
 pytestmark = pytest.mark.slow  # two launches of real ranks, ~10 s each
@@ -60,7 +60,11 @@ def uneven_samples(vocab: int) -> UpdateBatch:
         mask = [0] * prompt + [1] * (length - prompt)
         behaviour = [0.0] * prompt + [-rng.uniform(0.5, 4.0) for _ in range(length - prompt)]
         rollout = min(i, 5)
-        samples.append(Sample(f"r{rollout}", f"g{rollout // 2}", ids, mask, behaviour, [0] * length, rollout % 2))
+        # two turns with a reward on the first, for turn_return (the other modes ignore them)
+        turns = (Turn(prompt + (length - prompt) // 2, 2 * i, rng.uniform(-1, 1)), Turn(length - 1, 2 * i + 1))
+        samples.append(
+            Sample(f"r{rollout}", f"g{rollout // 2}", ids, mask, behaviour, [0] * length, rollout % 2, turns=turns)
+        )
     rollouts = list({s.rollout_id: RolloutScore(s.rollout_id, s.group_id, s.reward) for s in samples}.values())
     return UpdateBatch(samples, rollouts)
 
@@ -176,6 +180,7 @@ NEW_MODES = {
     "grpo_passk": ["algorithm.adv_estimator=grpo_passk"],
     "gpg-advantage": ["algorithm.adv_estimator=gpg"],
     "optimal_token_baseline": ["algorithm.adv_estimator=optimal_token_baseline"],
+    "turn_return": ["algorithm.adv_estimator=turn_return", "algorithm.gamma=0.9"],  # issue 34
     "head-rejection": [
         "algorithm.rollout_correction.rollout_rs='token_k1,seq_mean_k3'",
         "algorithm.rollout_correction.rollout_rs_threshold='0.01_100,2.5'",
