@@ -86,8 +86,9 @@ BUSY = 12  # other sequences decoding beside the call under test, straight to th
 
 @contextmanager
 def busy(engine: VLLMEngine, sequences: int = BUSY) -> Iterator[None]:
-    """`sequences` other requests straight to the engine (not through the gateway, so not
-    recorded), each generating to the context limit. They share every decode step with the call
+    """`sequences` other streams of requests straight to the engine (not through the gateway, so
+    not recorded), each a request after another of 400 tokens, all decoding before the call under
+    test starts. They share every decode step with the call
     under test, so its remaining tokens take many steps (seconds) whatever the machine's speed:
     the weight load lands while it still generates. Their connections are closed on exit, which
     aborts them."""
@@ -95,13 +96,24 @@ def busy(engine: VLLMEngine, sequences: int = BUSY) -> Iterator[None]:
     body = {"model": engine.served_model_name, "prompt": "The north door", "max_tokens": 400}
     body |= {"ignore_eos": True, "stream": True}
 
+    decoding = threading.Semaphore(0)  # released once per sequence, at its first streamed line
+
     def generate() -> None:
+        # One request after another until told to stop: on a busy machine the threads start far
+        # apart, and a single request each could end before the last one starts.
+        started = False
         try:
             with httpx.Client(timeout=600) as client:
-                with client.stream("POST", f"{engine.base_url}/completions", json=body) as response:
-                    for _ in response.iter_lines():
-                        if stop.is_set():
+                while not stop.is_set():
+                    with client.stream("POST", f"{engine.base_url}/completions", json=body) as response:
+                        if response.status_code != 200:
                             return
+                        for _ in response.iter_lines():
+                            if not started:
+                                started = True
+                                decoding.release()
+                            if stop.is_set():
+                                return
         except httpx.HTTPError:
             return
 
@@ -109,6 +121,10 @@ def busy(engine: VLLMEngine, sequences: int = BUSY) -> Iterator[None]:
     for thread in threads:
         thread.start()
     try:
+        # Every sequence decodes before the call under test starts (on a busy machine the
+        # threads once started so late that the call ran alone and finished before the load).
+        for _ in threads:
+            assert decoding.acquire(timeout=120), "a busy sequence never started decoding"
         yield
     finally:
         stop.set()
