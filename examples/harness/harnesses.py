@@ -63,8 +63,9 @@ def run_claude_code(
 async def run_agents_sdk(folder: Path, task: dict[str, Any], max_turns: int = 4, run_config: Any = None) -> str:
     """The Agents SDK agent on `task` (its notes written in `folder`), with one function tool that
     reads the folder's files, and its default model: the Responses API through
-    `OPENAI_BASE_URL`/`OPENAI_API_KEY`. Returns its final output."""
-    from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
+    `OPENAI_BASE_URL`/`OPENAI_API_KEY` (`run_config`, the SDK's run settings: None for its
+    defaults). Returns its final output."""
+    from agents import Agent, ModelSettings, Runner, function_tool
 
     write_notes(folder, task)
 
@@ -83,7 +84,7 @@ async def run_agents_sdk(folder: Path, task: dict[str, Any], max_turns: int = 4,
         model="policy",
         model_settings=ModelSettings(max_tokens=64),
     )
-    result = await Runner.run(agent, prompt(NOTES), max_turns=max_turns, run_config=run_config or RunConfig())
+    result = await Runner.run(agent, prompt(NOTES), max_turns=max_turns, run_config=run_config)
     return str(result.final_output)
 
 
