@@ -105,6 +105,7 @@ def sft_warmup(
     log_every: int = 10,
     num_threads: int | None = None,
     shared_prefix: bool = False,
+    vision_lr: float | None = None,
 ) -> dict[str, Any]:
     """Fine-tune `model_dir` on the assistant turns of `examples`; save to `out_dir`.
 
@@ -145,6 +146,7 @@ def sft_warmup(
             device=device,
             log_every=log_every,
             shared_prefix=shared_prefix,
+            vision_lr=vision_lr,
         )
     finally:
         torch.set_num_threads(previous_threads)
@@ -166,6 +168,7 @@ def _train(
     device: str,
     log_every: int,
     shared_prefix: bool = False,
+    vision_lr: float | None = None,
 ) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer
@@ -200,7 +203,20 @@ def _train(
         raise ValueError("no example has an assistant turn to learn from")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    # A vision-language model's vision tower (Qwen2-VL's `visual`) at its own learning rate
+    # (`vision_lr`, scaled by the same schedule; 0 freezes it).
+    tower = [p for name, p in model.named_parameters() if p.requires_grad and ".visual." in f".{name}"]
+    in_tower = {id(p) for p in tower}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in in_tower]
+    groups = [{"params": rest, "scale": 1.0}]
+    if tower:
+        scale = 1.0 if vision_lr is None else vision_lr / lr
+        if scale > 0:
+            groups.append({"params": tower, "scale": scale})
+        else:
+            for p in tower:
+                p.requires_grad_(False)
+    optim = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
 
     def lr_at(step: int) -> float:
         if step < warmup_steps:
@@ -227,7 +243,7 @@ def _train(
             loss, count = _padded_loss(model, [data[i] for i in picked], pad_id, device, vision, rows)
 
         for group in optim.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(step) * group["scale"]
         optim.zero_grad(set_to_none=True)
         loss.backward()
         if grad_clip > 0:

@@ -33,7 +33,8 @@ def png(width: int, height: int) -> bytes:
 def test_the_folder_is_a_qwen2_vl_checkpoint_with_its_processor(tiny_vl: Path) -> None:
     config = json.loads((tiny_vl / "config.json").read_text())
     assert config["architectures"] == ["Qwen2VLForConditionalGeneration"] and config["model_type"] == "qwen2_vl"
-    assert config["text_config"]["rope_parameters"]["mrope_section"] == [4, 6, 6]  # 16 = half a 32-wide head
+    # 16 = half a 32-wide head; width gets all but the two highest frequencies (default_mrope_section)
+    assert config["text_config"]["rope_parameters"]["mrope_section"] == [1, 1, 14]
     assert config["vision_config"]["spatial_merge_size"] == 2 and config["vision_config"]["hidden_size"] == 128
     assert json.loads((tiny_vl / "preprocessor_config.json").read_text())["processor_class"] == "Qwen2VLProcessor"
     assert takes_images(tiny_vl) and auto_model_class(tiny_vl).__name__ == "AutoModelForImageTextToText"
