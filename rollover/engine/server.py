@@ -188,7 +188,9 @@ class VLLMServer:
         """An HTTP client to the server's root with the owner's key, which opens every route
         (management at the root, OpenAI's under /v1): how its owner, and tests, call it."""
         transport = (
-            httpx.HTTPTransport(uds=str(self.socket_path), verify=client_tls()) if self.socket_path is not None else None
+            httpx.HTTPTransport(uds=str(self.socket_path), verify=client_tls())
+            if self.socket_path is not None
+            else None
         )
         return httpx.Client(
             base_url=self._root,
