@@ -8,6 +8,8 @@ and requests-unixsocket's clients). An engine on another machine is `http(s)://h
 
 from __future__ import annotations
 
+import functools
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
@@ -15,6 +17,18 @@ from urllib.parse import quote, unquote, urlsplit
 UNIX_SCHEME = "http+unix"
 # sun_path holds 108 bytes, the last a NUL.
 MAX_SOCKET_PATH_BYTES = 107
+
+
+@functools.cache
+def client_tls() -> ssl.SSLContext:
+    """httpx's default TLS context (the same roots and checks), built once per process and
+    shared by Rollover's HTTP clients (`verify=client_tls()`). httpx builds one for every client
+    it makes, reading the whole CA bundle each time: 50 ms on a quiet CPU, over 100 ms on a
+    loaded one, paid by every management call to an engine even though those speak plain HTTP
+    (its Unix socket or http://host:port)."""
+    import httpx
+
+    return httpx.create_ssl_context()
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import httpx
 
-from rollover.endpoints import MAX_SOCKET_PATH_BYTES, unix_endpoint
+from rollover.endpoints import MAX_SOCKET_PATH_BYTES, client_tls, unix_endpoint
 from rollover.engine.guard import GRANT_PATH
 from rollover.engine.images import image_limit
 from rollover.engine.tool_calls import resolve_tool_call_parser
@@ -187,16 +187,34 @@ class VLLMServer:
     def client(self, timeout: float = 30.0) -> httpx.Client:
         """An HTTP client to the server's root with the owner's key, which opens every route
         (management at the root, OpenAI's under /v1): how its owner, and tests, call it."""
-        transport = httpx.HTTPTransport(uds=str(self.socket_path)) if self.socket_path is not None else None
+        transport = (
+            httpx.HTTPTransport(uds=str(self.socket_path), verify=client_tls())
+            if self.socket_path is not None
+            else None
+        )
         return httpx.Client(
-            base_url=self._root, transport=transport, headers=self._auth, timeout=timeout, trust_env=False
+            base_url=self._root,
+            transport=transport,
+            headers=self._auth,
+            timeout=timeout,
+            trust_env=False,
+            verify=client_tls(),
         )
 
     def async_client(self, timeout: float = 30.0) -> httpx.AsyncClient:
         """`client()`, for asyncio."""
-        transport = httpx.AsyncHTTPTransport(uds=str(self.socket_path)) if self.socket_path is not None else None
+        transport = (
+            httpx.AsyncHTTPTransport(uds=str(self.socket_path), verify=client_tls())
+            if self.socket_path is not None
+            else None
+        )
         return httpx.AsyncClient(
-            base_url=self._root, transport=transport, headers=self._auth, timeout=timeout, trust_env=False
+            base_url=self._root,
+            transport=transport,
+            headers=self._auth,
+            timeout=timeout,
+            trust_env=False,
+            verify=client_tls(),
         )
 
     @property

@@ -210,13 +210,18 @@ class VLLMEngine(VLLMServer):
         self.adapter_name, self.adapter_dir, self.policies = name, adir, served
         if self.gateway_url is not None:
             await self.register_with_gateway(self.gateway_url, self._gateway_key or "")
+        stale = sorted(n for n in previous if n is not None)  # another set of policies than before
+        if stale:
+            await self._unload_adapters(stale)
+        return name
+
+    async def _unload_adapters(self, names: list[str]) -> None:
         async with self.async_client(60.0) as client:
-            for old in sorted(n for n in previous if n is not None):  # another set of policies than before
+            for old in names:
                 resp = await client.post("/v1/unload_lora_adapter", json={"lora_name": old})
                 if resp.status_code >= 400:  # not fatal: the slot is taken back when vLLM needs it
                     log.warning("unloading LoRA adapter %s: HTTP %d %s", old, resp.status_code, resp.text[:200])
                 self._lora_ids.pop(old, None)
-        return name
 
     async def _reload(self, wdir: Path) -> None:
         method = "rollover_reload_weights" if self.worker_extension else "reload_weights"

@@ -1,6 +1,7 @@
 """Rollover's vLLM plugin (entry point `vllm.general_plugins`: vLLM runs `register` first in
-every process it starts, its model inspection included): vision-language models load on a CPU
-install that has no torchvision.
+every process it starts, its model inspection included): LoRA on CPU takes one matrix product
+per adapter, not one per token (`rollover.engine.cpu_lora`), and vision-language models load
+on a CPU install that has no torchvision.
 
 Why: transformers 5 builds Qwen2-VL's processor with a video processor, and every video
 processor needs torchvision, as does the module vLLM's Qwen2-VL imports `smart_resize` from;
@@ -22,6 +23,9 @@ TORCHVISION_IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_
 
 
 def register() -> None:
+    from rollover.engine import cpu_lora
+
+    cpu_lora.install()
     if importlib.util.find_spec("torchvision") is not None:
         return
     _stand_in_image_module()

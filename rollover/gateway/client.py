@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import httpx
 
+from rollover.endpoints import client_tls
 from rollover.gateway.keys import scoped_key
 from rollover.retry import RetryPolicy, call_with_retries
 from rollover.store.models import (
@@ -65,6 +66,7 @@ class GatewayClient:
             headers={"Authorization": f"Bearer {admin_key}"},
             timeout=timeout,
             limits=httpx.Limits(max_connections=64),
+            verify=client_tls(),
         )
 
     async def aclose(self) -> None:

@@ -130,6 +130,25 @@ def test_save_writes_the_adapter_and_merge_gives_a_plain_model_with_its_logprobs
     assert main(["model", "merge", str(model_dir), "--out", str(tmp_path / "nothing")]) == 2  # no adapter there
 
 
+def test_every_save_is_peft_s_own_state_of_the_adapter_as_it_is_now(model_dir):
+    """`adapter_state_dict` keeps PEFT's names from the first save: every later one still gives
+    exactly what PEFT gives, with the adapter's current values."""
+    from peft import get_peft_model_state_dict
+
+    from rollover.training import lora
+
+    policy = trained_policy(model_dir)
+    for _ in range(2):  # the first save asks PEFT, the next reuses its names
+        state = lora.adapter_state_dict(policy.model, keep=True)
+        expected = get_peft_model_state_dict(policy.model)
+        assert list(state) == list(expected)
+        assert all(torch.equal(state[k], expected[k]) for k in expected)
+        assert lora.adapter_state_dict(policy.model, keep=False) == {}
+        policy.update(batch(), random.Random(1), lr=5e-2)  # the adapter moves
+    moved = next(k for k in state if "lora_B" in k)
+    assert not torch.equal(state[moved], get_peft_model_state_dict(policy.model)[moved])  # a copy, not the live tensor
+
+
 def test_a_run_starts_from_an_existing_adapter(model_dir, tmp_path):
     policy = trained_policy(model_dir)
     adapter = policy.save(tmp_path / "adapter")
