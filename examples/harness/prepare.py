@@ -165,7 +165,15 @@ def harness_model(out: Path, steps: int = WARMUP_STEPS, drill_steps: int = DRILL
             base, copy_drill(4000, seed=99), drilled, steps=drill_steps, lr=3e-3, batch_size=32, seed=0, num_threads=1
         )
         metrics = sft_warmup(
-            drilled, claude + sdk, staging, steps=steps, lr=3e-3, batch_size=8, seed=0, max_length=None, shared_prefix=True
+            drilled,
+            claude + sdk,
+            staging,
+            steps=steps,
+            lr=3e-3,
+            batch_size=8,
+            seed=0,
+            max_length=None,
+            shared_prefix=True,
         )
         prompt_tokens = len(_render(tokenizer, claude[0]))
         metrics |= {"claude_code_transcript_tokens": prompt_tokens, "drill": drill}
