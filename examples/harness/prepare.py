@@ -10,13 +10,8 @@ The model is built here, with nothing downloaded:
    others'; each ends with the code, or (`HEDGE_FRACTION` of them) with a reply that misses
    it, so the starting policy is unsure of what only the reward can teach.
 3. A tokenizer trained on the captured prompts (4096 tokens), a random-init 2-layer model with
-   a 32k context, and two supervised warm-ups:
-   - a copy drill (`DRILL_STEPS` on short chats: the notes, then the code read back), which
-     grows the attention that copies a number from earlier in the context: on the harness
-     transcripts alone that never formed (600 steps left the loss at the level of guessing
-     the four digits, 0.18 a token, and 0 of 24 answers right);
-   - the harnesses' transcripts (`sft_warmup(shared_prefix=True)`: the shared prompt runs once
-     per step).
+   a 32k context, and a short supervised warm-up (`sft_warmup(shared_prefix=True)`: the shared
+   prompt runs once per step).
 Cached in the run folder's `_cache/harness/` and reused; nothing of the harnesses' text is
 kept anywhere else.
 """
@@ -38,10 +33,9 @@ from rollover.config import RolloverConfig
 from rollover.training.data import default_task_files
 
 TRAIN_SIZE, VAL_SIZE = 1000, 64
-WARMUP_STEPS = int(os.environ.get("ROLLOVER_HARNESS_WARMUP_STEPS", "300"))
-DRILL_STEPS = int(os.environ.get("ROLLOVER_HARNESS_DRILL_STEPS", "1200"))
+WARMUP_STEPS = int(os.environ.get("ROLLOVER_HARNESS_WARMUP_STEPS", "200"))
 HEDGE_FRACTION = 0.5
-MODEL_NAME = f"tiny-harness-drill{DRILL_STEPS}-warm{WARMUP_STEPS}-hedge{round(HEDGE_FRACTION * 100)}"
+MODEL_NAME = f"tiny-harness-warm{WARMUP_STEPS}-hedge{round(HEDGE_FRACTION * 100)}"
 VOCAB_SIZE = 4096
 CONTEXT = 32768
 # How often the warm-up sees each harness (a step draws from one): Claude Code's steps run its
@@ -109,18 +103,6 @@ def transcripts(requests: list[dict[str, Any]], count: int, seed: int) -> list[d
     return chats
 
 
-def copy_drill(count: int, seed: int) -> list[list[dict[str, str]]]:
-    """`count` short chats that teach reading a code back: the notes of a task (not the
-    held-out ones: another seed), a question, the code. No harness text, no tools."""
-    return [
-        [
-            {"role": "user", "content": tasks.notes_text(task) + "What is the secret code?"},
-            {"role": "assistant", "content": answer(task)},
-        ]
-        for task in tasks.make_tasks(count, seed)
-    ]
-
-
 def _check_capture(request: dict[str, Any]) -> None:
     """The capture task's values occur only where the task put them (else a swap would change
     the harness's own text)."""
@@ -142,7 +124,7 @@ def _swap(value: Any, swaps: dict[str, str]) -> Any:
     return value
 
 
-def harness_model(out: Path, steps: int = WARMUP_STEPS, drill_steps: int = DRILL_STEPS) -> Path:
+def harness_model(out: Path, steps: int = WARMUP_STEPS) -> Path:
     """The warmed-up tiny model in `out` (built once; a build cut short leaves nothing behind)."""
     if (out / "config.json").exists():
         return out
@@ -154,34 +136,21 @@ def harness_model(out: Path, steps: int = WARMUP_STEPS, drill_steps: int = DRILL
     claude = transcripts(capture_claude_code(), N_CLAUDE, seed=11)
     sdk = transcripts(capture_agents_sdk(), N_AGENTS_SDK, seed=12)
     base = out.with_name(f"{out.name}.base-{os.getpid()}")
-    drilled = out.with_name(f"{out.name}.drill-{os.getpid()}")
     staging = out.with_name(f"{out.name}.partial-{os.getpid()}")
     try:
         build_tiny_model(
             base, vocab_size=VOCAB_SIZE, corpus=_corpus(claude[:2] + sdk[:50]), max_position_embeddings=CONTEXT
         )
         tokenizer = AutoTokenizer.from_pretrained(base)
-        drill = sft_warmup(
-            base, copy_drill(4000, seed=99), drilled, steps=drill_steps, lr=3e-3, batch_size=32, seed=0, num_threads=1
-        )
         metrics = sft_warmup(
-            drilled,
-            claude + sdk,
-            staging,
-            steps=steps,
-            lr=3e-3,
-            batch_size=8,
-            seed=0,
-            max_length=None,
-            shared_prefix=True,
+            base, claude + sdk, staging, steps=steps, lr=3e-3, batch_size=8, seed=0, max_length=None, shared_prefix=True
         )
         prompt_tokens = len(_render(tokenizer, claude[0]))
-        metrics |= {"claude_code_transcript_tokens": prompt_tokens, "drill": drill}
+        metrics |= {"claude_code_transcript_tokens": prompt_tokens}
         (staging / "warmup_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         staging.rename(out)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-        shutil.rmtree(drilled, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
     return out
 

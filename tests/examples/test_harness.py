@@ -168,9 +168,7 @@ def harness_model(tmp_path_factory) -> Path:
     if os.environ.get("ROLLOVER_TEST_HARNESS_MODEL"):
         return Path(os.environ["ROLLOVER_TEST_HARNESS_MODEL"])
     # Fewer warm-up steps than the example: what these tests check is the wire, not the policy.
-    return harness.harness_model(
-        tmp_path_factory.mktemp("harness-model") / "tiny-harness-warm40", steps=40, drill_steps=40
-    )
+    return harness.harness_model(tmp_path_factory.mktemp("harness-model") / "tiny-harness-warm40", steps=40)
 
 
 @pytest.fixture(scope="module")
