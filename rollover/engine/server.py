@@ -192,14 +192,7 @@ class VLLMServer:
             if self.socket_path is not None
             else None
         )
-        return httpx.Client(
-            base_url=self._root,
-            transport=transport,
-            headers=self._auth,
-            timeout=timeout,
-            trust_env=False,
-            verify=client_tls(),
-        )
+        return httpx.Client(transport=transport, **self._client_options(timeout))
 
     def async_client(self, timeout: float = 30.0) -> httpx.AsyncClient:
         """`client()`, for asyncio."""
@@ -208,14 +201,16 @@ class VLLMServer:
             if self.socket_path is not None
             else None
         )
-        return httpx.AsyncClient(
-            base_url=self._root,
-            transport=transport,
-            headers=self._auth,
-            timeout=timeout,
-            trust_env=False,
-            verify=client_tls(),
-        )
+        return httpx.AsyncClient(transport=transport, **self._client_options(timeout))
+
+    def _client_options(self, timeout: float) -> dict[str, Any]:
+        return {
+            "base_url": self._root,
+            "headers": self._auth,
+            "timeout": timeout,
+            "trust_env": False,
+            "verify": client_tls(),
+        }
 
     @property
     def _root(self) -> str:
