@@ -1,6 +1,7 @@
 """Rollover's vLLM plugin (entry point `vllm.general_plugins`: vLLM runs `register` first in
 every process it starts, its model inspection included): LoRA on CPU takes one matrix product
-per adapter, not one per token (`rollover.engine.cpu_lora`), and vision-language models load
+per adapter, not one per token (`rollover.engine.cpu_lora`), a seeded request whose prefill is
+split does not kill the engine on CPU (`rollover.engine.cpu_seeds`), and vision-language models load
 on a CPU install that has no torchvision.
 
 Why: transformers 5 builds Qwen2-VL's processor with a video processor, and every video
@@ -23,9 +24,10 @@ TORCHVISION_IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_
 
 
 def register() -> None:
-    from rollover.engine import cpu_lora
+    from rollover.engine import cpu_lora, cpu_seeds
 
     cpu_lora.install()
+    cpu_seeds.install()
     if importlib.util.find_spec("torchvision") is not None:
         return
     _stand_in_image_module()
