@@ -99,7 +99,11 @@ class VLLMEngine(VLLMServer):
         return time.monotonic() - started
 
     async def reset_prefix_cache(self, attempts: int = 20) -> None:
-        """Drop cached KV blocks computed with the old weights.
+        """Drop cached KV blocks computed with the old weights, and for a model that takes
+        images the vision encoder's cached outputs too (`/reset_encoder_cache`): they are the
+        old weights' as well, and after a reload without it the scheduler and the worker
+        disagree on what is cached (vLLM 0.32 on CPU died with "Encoder cache miss" at the
+        first picture it had seen before the load).
 
         vLLM answers `success: false` while blocks are held by running requests; the
         caller should have drained traffic, so we only retry briefly.
@@ -125,6 +129,8 @@ class VLLMEngine(VLLMServer):
             )
         except _PrefixCacheBusy:
             raise EngineError("reset_prefix_cache kept failing: requests still running on the engine?") from None
+        if self.max_images:
+            await self._post("/reset_encoder_cache")
 
     async def load_weights(self, weights_dir: str | Path, *, version: int | None = None) -> int:
         """Reload the weights in place from `weights_dir` (see `save_weights`).

@@ -98,3 +98,23 @@ def test_the_engine_is_started_for_images_and_no_videos(served) -> None:
     command = engine.command()
     assert command[command.index("--limit-mm-per-prompt") + 1] == '{"image": 2, "video": 0}'
     assert Path(engine.log_path).read_text().count("Traceback") == 0
+
+
+def test_a_picture_seen_before_a_weight_load_is_answered_after_it(vision_model, vision_engine) -> None:
+    """A weight load drops the vision encoder's cached outputs with the KV blocks, so the same
+    picture after it is encoded anew (vLLM 0.32 on CPU died of an "Encoder cache miss" there)."""
+    url = "data:image/png;base64," + base64.b64encode(picture("12*3", (112, 28))).decode()
+    body = {
+        "model": vision_engine.served_model_name,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+        "max_tokens": 4,
+        "temperature": 1.0,
+    }
+    with vision_engine.client(120) as http:
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+    asyncio.run(vision_engine.load_weights(vision_model))
+    with vision_engine.client(120) as http:
+        for _ in range(2):
+            again = http.post("/v1/chat/completions", json=body)
+            assert again.status_code == 200, again.text
+        assert http.get("/health").status_code == 200
