@@ -125,7 +125,14 @@ class Actor:
         return self.settings.lora is not None
 
     def full_state_dict(self, *, keep: bool) -> dict[str, torch.Tensor]:
-        return sharding.full_state_dict(self.model, keep=keep)
+        """The whole model's weights, gathered (a collective on several ranks), under the names
+        its checkpoint uses: what `save_pretrained` writes and what vLLM loads. transformers 5
+        renames some models' weights at load (Qwen2-VL's `model.layers.*` are
+        `model.language_model.layers.*` in memory, `visual.*` is `model.visual.*`), and vLLM
+        0.32 reloaded the in-memory names into the wrong places: the vision calc example's
+        policy wrote garbage after its first update."""
+        weights = sharding.full_state_dict(self.model, keep=keep)
+        return checkpoint_names(self.model, weights) if keep else weights
 
     def save_adapter(self, directory: str | Path, *, write: bool) -> None:
         """LoRA: the adapter alone, gathered (a collective on several ranks), as a PEFT folder
@@ -335,3 +342,15 @@ class Actor:
         result = totals.values()
         result["actor/grad_norm"] = grad_norm
         return result, counts.n_tokens, stepped
+
+
+def checkpoint_names(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` (the model's own names) under its checkpoint's names, by transformers' own
+    reversal of the renaming it applied at load (what `save_pretrained` does); unchanged for
+    a model transformers does not rename, and for a PEFT-wrapped one."""
+    from transformers import PreTrainedModel
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if not isinstance(model, PreTrainedModel):
+        return weights
+    return dict(revert_weight_conversion(model, weights))

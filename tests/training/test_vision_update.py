@@ -244,3 +244,17 @@ def test_pi_ref_and_sum_pi_squared_see_the_image(model_dir: Path, lora: bool) ->
             image_grid_thw=batch["image_grid_thw"],
         )
     assert torch.allclose(recomputed.sum_pi_squared, squares[0, : len(sample) - 1], atol=1e-5)
+
+
+def test_the_gathered_weights_carry_the_checkpoints_names(model_dir: Path) -> None:
+    """What the weight sync writes for the engine is named as the model's checkpoint is (vLLM
+    reloaded transformers 5's in-memory names, `model.language_model.*`, into the wrong places)."""
+    from safetensors import safe_open
+
+    policy = policy_of(model_dir)
+    weights = policy.full_state_dict(keep=True)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as checkpoint:
+        names = set(checkpoint.keys())
+        assert set(weights) == names
+        for name in names:
+            torch.testing.assert_close(weights[name], checkpoint.get_tensor(name))
