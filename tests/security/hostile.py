@@ -206,6 +206,9 @@ def engines(input: dict[str, Any]) -> str:
                 refused.append(f"{url}: 401 with every key")
         except (httpx.HTTPError, OSError) as exc:
             refused.append(f"{url}: {exc!r}")
+    # Engines that answered first: the report is cut short, and a busy machine's temporary
+    # folder may hold many dead engines' sockets.
+    refused.sort(key=lambda line: not line.endswith("401 with every key"))
     raise ConnectionError("; ".join(refused))
 
 
