@@ -174,7 +174,7 @@ def _train(
     from transformers import AutoTokenizer
 
     from rollover.modelzoo.vl_warmup import VisionChats
-    from rollover.vision.model import auto_model_class, takes_images
+    from rollover.vision.model import auto_model_class, freeze_vision_tower, in_vision_tower, takes_images
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -205,7 +205,7 @@ def _train(
 
     # A vision-language model's vision tower (Qwen2-VL's `visual`) at its own learning rate
     # (`vision_lr`, scaled by the same schedule; 0 freezes it).
-    tower = [p for name, p in model.named_parameters() if p.requires_grad and ".visual." in f".{name}"]
+    tower = [p for name, p in model.named_parameters() if p.requires_grad and in_vision_tower(name)]
     in_tower = {id(p) for p in tower}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in in_tower]
     groups = [{"params": rest, "scale": 1.0}]
@@ -214,8 +214,7 @@ def _train(
         if scale > 0:
             groups.append({"params": tower, "scale": scale})
         else:
-            for p in tower:
-                p.requires_grad_(False)
+            freeze_vision_tower(model)
     optim = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
 
     def lr_at(step: int) -> float:

@@ -19,13 +19,19 @@ def takes_images(model_dir: str | Path) -> bool:
     return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
 
 
+def in_vision_tower(name: str) -> bool:
+    """Whether the parameter named `name` (in the model) is the vision tower's (Qwen2-VL's
+    `visual`, its patch merger included)."""
+    return ".visual." in f".{name}"
+
+
 def freeze_vision_tower(model: Any) -> int:
     """Stop training the model's vision tower (`actor_rollout_ref.model.freeze_vision_tower`):
     its parameters need no gradient and get no optimizer state. Returns how many were frozen;
     a model with none (a text model) is refused, since the key would then mean nothing."""
     frozen = 0
     for name, parameter in model.named_parameters():
-        if ".visual." in f".{name}":
+        if in_vision_tower(name):
             parameter.requires_grad_(False)
             frozen += 1
     if frozen == 0:
