@@ -61,6 +61,7 @@ def test_only_cpu_generators_of_discarded_requests_are_held() -> None:
 @pytest.mark.slow
 def test_a_seeded_request_with_a_split_prefill_keeps_the_engine_alive(calc_model, tmp_path) -> None:
     from rollover.testing.engine import start_test_engine
+    from tests.engine.test_token_fidelity import sample
 
     # A prompt longer than one step's token budget is prefilled in chunks, and the token
     # sampled after each unfinished chunk is dropped: the rewind that killed the engine on CPU.
@@ -69,20 +70,9 @@ def test_a_seeded_request_with_a_split_prefill_keeps_the_engine_alive(calc_model
     )
     try:
         prompt = "Compute " + " plus ".join(str(n) for n in range(40)) + "."
+        for seed in (1, 1, 2):
+            assert sample(engine, prompt, seed)["usage"]["prompt_tokens"] > 32
         with engine.client(120) as http:
-            for seed in (1, 1, 2):
-                resp = http.post(
-                    "/v1/chat/completions",
-                    json={
-                        "model": engine.served_model_name,
-                        "messages": [{"role": "user", "content": prompt}],
-                        "max_tokens": 8,
-                        "temperature": 1.0,
-                        "seed": seed,
-                    },
-                )
-                assert resp.status_code == 200, resp.text
-                assert resp.json()["usage"]["prompt_tokens"] > 32
             assert http.get("/health").status_code == 200
     finally:
         engine.stop()
