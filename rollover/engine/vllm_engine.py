@@ -129,6 +129,11 @@ class VLLMEngine(VLLMServer):
             )
         except _PrefixCacheBusy:
             raise EngineError("reset_prefix_cache kept failing: requests still running on the engine?") from None
+        await self._reset_encoder_cache()
+
+    async def _reset_encoder_cache(self) -> None:
+        """For a model that takes images, drop the vision encoder's cached outputs with the KV
+        blocks (see `reset_prefix_cache`); every reset of the KV blocks after a load comes here."""
         if self.max_images:
             await self._post("/reset_encoder_cache")
 
@@ -267,6 +272,7 @@ class VLLMEngine(VLLMServer):
                 resp = await self._post("/reset_prefix_cache", params={"reset_running_requests": "true"})
                 if resp.json().get("success") is False:
                     raise EngineError("reset_prefix_cache with reset_running_requests failed while paused")
+                await self._reset_encoder_cache()
             self.policy_version = self.policy_version + 1 if version is None else int(version)
         finally:
             try:

@@ -100,9 +100,11 @@ def test_the_engine_is_started_for_images_and_no_videos(served) -> None:
     assert Path(engine.log_path).read_text().count("Traceback") == 0
 
 
-def test_a_picture_seen_before_a_weight_load_is_answered_after_it(vision_model, vision_engine) -> None:
+@pytest.mark.parametrize("keep_requests", [False, True], ids=["drained", "partial rollout"])
+def test_a_picture_seen_before_a_weight_load_is_answered_after_it(vision_model, vision_engine, keep_requests) -> None:
     """A weight load drops the vision encoder's cached outputs with the KV blocks, so the same
-    picture after it is encoded anew (vLLM 0.32 on CPU died of an "Encoder cache miss" there)."""
+    picture after it is encoded anew (vLLM 0.32 on CPU died of an "Encoder cache miss" there),
+    whether the load drained the engine or kept its requests (partial rollout)."""
     url = "data:image/png;base64," + base64.b64encode(picture("12*3", (112, 28))).decode()
     body = {
         "model": vision_engine.served_model_name,
@@ -112,7 +114,11 @@ def test_a_picture_seen_before_a_weight_load_is_answered_after_it(vision_model, 
     }
     with vision_engine.client(120) as http:
         assert http.post("/v1/chat/completions", json=body).status_code == 200
-    asyncio.run(vision_engine.load_weights(vision_model))
+    vision_engine.keep_requests = keep_requests
+    try:
+        asyncio.run(vision_engine.load_weights(vision_model))
+    finally:
+        vision_engine.keep_requests = False
     with vision_engine.client(120) as http:
         for _ in range(2):
             again = http.post("/v1/chat/completions", json=body)
