@@ -68,6 +68,7 @@ class Actor:
         self.device = device or torch.device("cpu")
         self.reference = reference
         self._tokens = PassTokens()  # the current update's forward passes' tokens (this rank's)
+        self._adapter_names = lora.SavedNames()  # PEFT's names of the adapters, learnt at the first save
         policies, optimizer = settings.policies, settings.optimizer
         # With LoRA only the adapter is trainable: the base has no gradients and no Adam state.
         # Several policies: a parameter group per policy's adapter, its lr a multiple of the
@@ -138,12 +139,12 @@ class Actor:
         """LoRA: the adapter alone, gathered (a collective on several ranks), as a PEFT folder
         written by the ranks with `write`."""
         if not self.settings.policies:
-            state = lora.adapter_state_dict(self.model, keep=write)
+            state = lora.adapter_state_dict(self.model, keep=write, names=self._adapter_names)
             if write:
                 lora.write_adapter(state, self.model, directory)
             return
         for name in self.settings.policies:  # the same order on every rank: each is a collective
-            state = lora.adapter_state_dict(self.model, keep=write, name=name)
+            state = lora.adapter_state_dict(self.model, keep=write, name=name, names=self._adapter_names)
             if write:
                 lora.write_adapter(state, self.model, Path(directory) / name, name)
 

@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import tempfile
-import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -125,16 +124,21 @@ def adapter_parameters(model: torch.nn.Module, name: str) -> list[torch.nn.Param
     return [p for _, p in named_adapter_parameters(model, name)]
 
 
-# What `adapter_state_dict` learnt of PEFT's saved names, per model, by adapter and the names of
-# its parameters: {parameter name: saved name}, or None where PEFT's state is not a renaming.
-_saved_names: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[str, tuple[str, ...]], dict[str, str] | None]] = (
-    weakref.WeakKeyDictionary()
-)
+class SavedNames:
+    """What `adapter_state_dict` learnt of PEFT's saved names for one model (its `Actor`
+    holds one), by adapter and the names of its parameters: {parameter name: saved name}, or
+    None where PEFT's state is not a renaming."""
+
+    def __init__(self) -> None:
+        self.known: dict[tuple[str, tuple[str, ...]], dict[str, str] | None] = {}
 
 
-def adapter_state_dict(model: torch.nn.Module, *, keep: bool, name: str = SINGLE) -> dict[str, torch.Tensor]:
+def adapter_state_dict(
+    model: torch.nn.Module, *, keep: bool, name: str = SINGLE, names: SavedNames | None = None
+) -> dict[str, torch.Tensor]:
     """Adapter `name`'s weights whole, on the host, under PEFT's saved names (a collective on
-    several ranks: every rank takes part in the gathers; those without `keep` get `{}`)."""
+    several ranks: every rank takes part in the gathers; those without `keep` get `{}`).
+    `names`: the model's renaming as learnt by earlier saves (asked of PEFT every time without)."""
     from peft import get_peft_model_state_dict
 
     gathered: dict[str, torch.Tensor] = {}
@@ -144,7 +148,7 @@ def adapter_state_dict(model: torch.nn.Module, *, keep: bool, name: str = SINGLE
             gathered[parameter_name] = whole.to("cpu", copy=True)
     if not keep:
         return {}
-    known = _saved_names.setdefault(model, {})
+    known = (names or SavedNames()).known
     layout = (name, tuple(gathered))
     if layout in known and (saved_names := known[layout]) is not None:
         return {saved: gathered[parameter_name] for parameter_name, saved in saved_names.items()}

@@ -138,12 +138,14 @@ def test_every_save_is_peft_s_own_state_of_the_adapter_as_it_is_now(model_dir):
     from rollover.training import lora
 
     policy = trained_policy(model_dir)
+    names = lora.SavedNames()
     for _ in range(2):  # the first save asks PEFT, the next reuses its names
-        state = lora.adapter_state_dict(policy.model, keep=True)
+        state = lora.adapter_state_dict(policy.model, keep=True, names=names)
+        assert len(names.known) == 1 and None not in names.known.values()  # learnt a renaming
         expected = get_peft_model_state_dict(policy.model)
         assert list(state) == list(expected)
         assert all(torch.equal(state[k], expected[k]) for k in expected)
-        assert lora.adapter_state_dict(policy.model, keep=False) == {}
+        assert lora.adapter_state_dict(policy.model, keep=False, names=names) == {}
         policy.update(batch(), random.Random(1), lr=5e-2)  # the adapter moves
     moved = next(k for k in state if "lora_B" in k)
     assert not torch.equal(state[moved], get_peft_model_state_dict(policy.model)[moved])  # a copy, not the live tensor
