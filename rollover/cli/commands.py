@@ -76,10 +76,11 @@ def train(args: argparse.Namespace) -> int:
     from rollover.distributed.world import World
 
     if World.from_env().distributed:
+        from rollover.ranks.rank import exit_rank
         from rollover.ranks.rank import main as rank_main
 
         configure_logging()
-        return rank_main([*([args.config] if args.config else []), *args.overrides])
+        exit_rank(rank_main([*([args.config] if args.config else []), *args.overrides]))
     if config.world_size > 1:
         if config.trainer.nnodes > 1:
             raise UsageError(

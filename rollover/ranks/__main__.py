@@ -8,11 +8,9 @@ Rank 0 runs the whole system (`rollover.launch`); the others follow its commands
 
 from __future__ import annotations
 
-import sys
-
 from rollover.cli.logs import configure_logging
-from rollover.ranks.rank import main
+from rollover.ranks.rank import exit_rank, main
 
 if __name__ == "__main__":
     configure_logging()
-    sys.exit(main())
+    exit_rank(main())

@@ -5,7 +5,11 @@ collective step; the others follow its commands (`follower`). The caller configu
 
 from __future__ import annotations
 
+import faulthandler
+import logging
+import os
 import sys
+from typing import NoReturn
 
 from rollover.config import ConfigError, RolloverConfig, load_config
 from rollover.distributed.world import World
@@ -26,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     config_path = args[0] if args and "=" not in args[0] else None
     overrides = args[1:] if config_path is not None else args
+    faulthandler.enable()  # a rank that dies of a signal prints every thread's Python stack
     world = World.from_env()
     try:
         config = load_config(config_path, overrides)
@@ -52,3 +57,15 @@ def main(argv: list[str] | None = None) -> int:
         return follow(config, world)
     finally:
         world.shutdown()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """Leave a rank's process with `code` once `main` has returned (its process groups
+    destroyed, its engines, gateway and loggers closed), skipping the interpreter's teardown:
+    there gloo's threads may still hold tensors and abort a process whose run succeeded
+    (SIGABRT, "terminate called without an active exception", seen once on a two-node run's
+    rank 0; pytorch/pytorch#179291), and the other node's launcher then waits minutes for it."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -57,3 +57,25 @@ def test_rollover_train_over_several_nodes_says_how_to_launch_them(capsys):
     assert main(["train", str(CALC_CONFIG), "trainer.nnodes=2"]) == 2
     err = capsys.readouterr().err
     assert "torchrun --nnodes 2" in err and "-m rollover.ranks" in err
+
+
+def test_a_rank_leaves_with_its_code_and_its_output_but_without_the_interpreters_teardown():
+    """`exit_rank`: what was printed reaches the launcher, the code is the run's, and no
+    teardown runs after it (where gloo's threads once aborted a finished rank)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, sys\n"
+        "from rollover.ranks.rank import exit_rank\n"
+        "atexit.register(lambda: print('teardown ran'))\n"
+        "print('run finished', end='')\n"
+        "sys.stderr.write('last words')\n"
+        "exit_rank(3)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as under a launcher
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 3
+    assert done.stdout == "run finished"  # flushed, and the atexit handler never ran
+    assert done.stderr.endswith("last words")
