@@ -162,6 +162,38 @@ def test_lora_adapts_the_language_model_only(model_dir: Path) -> None:
     assert metrics["actor/grad_norm"] > 0
 
 
+def test_several_policies_train_each_adapter_on_its_own_image_samples(model_dir: Path) -> None:
+    """Two policies (a LoRA adapter each): image samples of one move its adapter alone, and
+    π_old goes through that adapter with the image (the importance ratios are 1)."""
+    from dataclasses import replace
+
+    from rollover.training import lora
+
+    policy = policy_of(
+        model_dir,
+        "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.rollout.max_loras=2",
+        "agentlightning.policies={reader: {}, writer: {}}",
+        "algorithm.rollout_correction.rollout_is=token",
+    )
+
+    def adapter(name: str) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in policy.model.named_parameters() if f".{name}." in n}
+
+    lora.activate(policy.model, "reader")  # the behaviour logprobs are the reader's own
+    samples = [
+        replace(image_sample(policy, model_dir, picture(digit), reward, f"r{digit}"), policy="reader")
+        for digit, reward in (("7", 1.0), ("1", 0.0))
+    ]
+    reader, writer = adapter("reader"), adapter("writer")
+    metrics = update(policy, samples)
+    assert abs(metrics["rollout_corr/kl"]) < 1e-5 and metrics["actor/behaviour_mismatch_abs"] < 1e-5
+    assert metrics["policy/reader/n_samples"] == 2 and "policy/writer/actor/pg_loss" not in metrics
+    moved = adapter("reader")
+    assert any(not torch.equal(reader[n], moved[n]) for n in reader), "the reader's adapter did not move"
+    assert all(torch.equal(writer[n], p) for n, p in adapter("writer").items()), "the writer moved"
+
+
 def test_turns_merge_with_their_images_in_order() -> None:
     first = {"prompt_token_ids": [1, 9, 9, 2], "response_token_ids": [3], "policy_version": 0, "images": ["a"]}
     second = {
