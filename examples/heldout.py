@@ -5,8 +5,10 @@
 The trainer evaluates `data.val_files` at step 0 and at the end; its held-out rollouts have
 the data_id `val-<step>-<i>`, task i being the same at every step. For the first and the last
 evaluated step this prints the mean reward, and the mean paired difference (last - first)
-over the tasks evaluated at both with its standard error, sd(d) / sqrt(n). A rollout without a
-reward (failed, timed out) counts as 0, as the trainer's val/reward does.
+over the tasks evaluated at both with its standard error, sd(d) / sqrt(n). A finished rollout
+without a reward (failed, timed out) counts as 0, as the trainer's val/reward does; one still
+queued or running (an evaluation under way) is left out, and the line says how many tasks each
+step has.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ _VAL_ID = re.compile(r"^val-(\d+)-(\d+)$")
 
 
 def heldout_rewards(store: str | Path) -> dict[int, dict[int, float]]:
-    """{step: {task index: reward}} of the held-out rollouts in a run's store.db (their
-    `data_id` is in the rollout's metadata)."""
+    """{step: {task index: reward}} of the finished held-out rollouts in a run's store.db
+    (their `data_id` is in the rollout's metadata)."""
     path = Path(store)
     if path.is_dir():
         path = path / "store.db"
@@ -38,7 +40,9 @@ def heldout_rewards(store: str | Path) -> dict[int, dict[int, float]]:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 rewards[rollout_id] = float(value)  # the last reward event wins
         out: dict[int, dict[int, float]] = {}
-        for rollout_id, raw in db.execute("SELECT rollout_id, metadata FROM rollouts WHERE is_train = 0"):
+        for rollout_id, raw in db.execute(
+            "SELECT rollout_id, metadata FROM rollouts WHERE is_train = 0 AND state IN ('succeeded', 'failed')"
+        ):
             data = json.loads(raw)  # the trainer's metadata: {"data_id": ..., "enqueued_step": ...}
             match = _VAL_ID.match(str(data.get("data_id", ""))) if isinstance(data, dict) else None
             if match:
@@ -77,6 +81,8 @@ def main(argv: list[str]) -> int:
         return 1
     first, last = min(steps), max(steps)
     r = paired_difference(steps[first], steps[last])
+    if len(steps[first]) != len(steps[last]):
+        print(f"step {first}: {len(steps[first])} tasks finished, step {last}: {len(steps[last])} (paired over both)")
     print(
         f"held-out, {r['n']} tasks: step {first} {r['before']:.3f} -> step {last} {r['after']:.3f}; "
         f"paired difference {r['diff']:+.3f} ± {r['se']:.3f} (SE), {r['diff'] / r['se'] if r['se'] else math.inf:.1f} SE"

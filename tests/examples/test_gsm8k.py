@@ -164,22 +164,28 @@ def test_heldout_paired_difference(tmp_path):
     import sqlite3
 
     db = sqlite3.connect(tmp_path / "store.db")
-    db.execute("CREATE TABLE rollouts (rollout_id TEXT, metadata TEXT, is_train INTEGER)")
+    db.execute("CREATE TABLE rollouts (rollout_id TEXT, metadata TEXT, is_train INTEGER, state TEXT)")
     db.execute("CREATE TABLE events (event_id INTEGER PRIMARY KEY, rollout_id TEXT, event_type TEXT, data TEXT)")
     before, after = [0, 1, 0, 0], [1, 1, 0, 1]
     for step, rewards in ((0, before), (5, after)):
         for i, reward in enumerate(rewards):
             rid = f"r-{step}-{i}"
-            db.execute("INSERT INTO rollouts VALUES (?, ?, 0)", (rid, json.dumps({"data_id": f"val-{step}-{i}"})))
+            state = "failed" if reward == 0 else "succeeded"
+            db.execute(
+                "INSERT INTO rollouts VALUES (?, ?, 0, ?)", (rid, json.dumps({"data_id": f"val-{step}-{i}"}), state)
+            )
             db.execute(
                 "INSERT INTO events (rollout_id, event_type, data) VALUES (?, 'reward', ?)",
                 (rid, json.dumps({"value": reward})),
             )
-    db.execute("INSERT INTO rollouts VALUES ('t', ?, 1)", (json.dumps({"data_id": "train-1"}),))
+    db.execute("INSERT INTO rollouts VALUES ('t', ?, 1, 'succeeded')", (json.dumps({"data_id": "train-1"}),))
+    # An evaluation under way: its unfinished rollouts are left out, not counted as 0.
+    for i, state in enumerate(("running", "queuing")):
+        db.execute("INSERT INTO rollouts VALUES (?, ?, 0, ?)", (f"u{i}", json.dumps({"data_id": f"val-9-{i}"}), state))
     db.commit()
     db.close()
     steps = heldout_rewards(tmp_path)
-    assert steps == {0: dict(enumerate(map(float, before))), 5: dict(enumerate(map(float, after)))}
+    assert steps == {0: dict(enumerate(map(float, before))), 5: dict(enumerate(map(float, after)))}  # no step 9
     r = paired_difference(steps[0], steps[5])
     assert (r["n"], r["before"], r["after"], r["diff"]) == (4, 0.25, 0.75, 0.5)
     assert r["se"] == pytest.approx((1 / 3) ** 0.5 / 2)  # diffs 1,0,0,1: sd sqrt(1/3), n 4
