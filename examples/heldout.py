@@ -13,44 +13,46 @@ step has.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import math
 import re
-import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
+
+from rollover.store.models import RolloutState
+from rollover.store.sqlite import RolloutStore
 
 _VAL_ID = re.compile(r"^val-(\d+)-(\d+)$")
 
 
 def heldout_rewards(store: str | Path) -> dict[int, dict[int, float]]:
     """{step: {task index: reward}} of the finished held-out rollouts in a run's store.db
-    (their `data_id` is in the rollout's metadata)."""
+    (their `data_id` is in the rollout's metadata), each reward the store's outcome of the
+    rollout's last attempt (`RolloutStore.rewards`, as the trainer reads it: a reward naming a
+    call, or one another call follows, is that turn's, not the outcome)."""
     path = Path(store)
     if path.is_dir():
         path = path / "store.db"
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    return asyncio.run(_heldout_rewards(RolloutStore(path, read_only=True)))
+
+
+async def _heldout_rewards(store: RolloutStore) -> dict[int, dict[int, float]]:
     try:
-        rewards: dict[str, float] = {}
-        for rollout_id, data in db.execute(
-            "SELECT rollout_id, data FROM events WHERE event_type = 'reward' ORDER BY event_id"
-        ):
-            value = json.loads(data).get("value")
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                rewards[rollout_id] = float(value)  # the last reward event wins
-        out: dict[int, dict[int, float]] = {}
-        for rollout_id, raw in db.execute(
-            "SELECT rollout_id, metadata FROM rollouts WHERE is_train = 0 AND state IN ('succeeded', 'failed')"
-        ):
-            data = json.loads(raw)  # the trainer's metadata: {"data_id": ..., "enqueued_step": ...}
-            match = _VAL_ID.match(str(data.get("data_id", ""))) if isinstance(data, dict) else None
-            if match:
-                step, index = int(match[1]), int(match[2])
-                out.setdefault(step, {})[index] = rewards.get(rollout_id, 0.0)
-        return out
+        finished = [
+            rollout
+            for rollout in await store.list_rollouts(state_in=[s for s in RolloutState if s.terminal])
+            if not rollout.is_train
+        ]
+        outcomes = await store.rewards(rollout.rollout_id for rollout in finished)
     finally:
-        db.close()
+        store.close()
+    out: dict[int, dict[int, float]] = {}
+    for rollout in finished:  # the trainer's metadata: {"data_id": ..., "enqueued_step": ...}
+        match = _VAL_ID.match(str(rollout.metadata.get("data_id", "")))
+        if match:
+            out.setdefault(int(match[1]), {})[int(match[2])] = outcomes.get(rollout.rollout_id) or 0.0
+    return out
 
 
 def paired_difference(before: dict[int, float], after: dict[int, float]) -> dict[str, Any]:

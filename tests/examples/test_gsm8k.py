@@ -160,30 +160,40 @@ def test_easy_templates_and_demonstrations():
 
 
 def test_heldout_paired_difference(tmp_path):
-    import json
-    import sqlite3
+    import asyncio
 
-    db = sqlite3.connect(tmp_path / "store.db")
-    db.execute("CREATE TABLE rollouts (rollout_id TEXT, metadata TEXT, is_train INTEGER, state TEXT)")
-    db.execute("CREATE TABLE events (event_id INTEGER PRIMARY KEY, rollout_id TEXT, event_type TEXT, data TEXT)")
+    from rollover.store.models import EventCreate, RolloutCreate, RolloutState, StatusFields
+    from rollover.store.sqlite import RolloutStore
+
     before, after = [0, 1, 0, 0], [1, 1, 0, 1]
-    for step, rewards in ((0, before), (5, after)):
-        for i, reward in enumerate(rewards):
-            rid = f"r-{step}-{i}"
-            state = "failed" if reward == 0 else "succeeded"
-            db.execute(
-                "INSERT INTO rollouts VALUES (?, ?, 0, ?)", (rid, json.dumps({"data_id": f"val-{step}-{i}"}), state)
-            )
-            db.execute(
-                "INSERT INTO events (rollout_id, event_type, data) VALUES (?, 'reward', ?)",
-                (rid, json.dumps({"value": reward})),
-            )
-    db.execute("INSERT INTO rollouts VALUES ('t', ?, 1, 'succeeded')", (json.dumps({"data_id": "train-1"}),))
-    # An evaluation under way: its unfinished rollouts are left out, not counted as 0.
-    for i, state in enumerate(("running", "queuing")):
-        db.execute("INSERT INTO rollouts VALUES (?, ?, 0, ?)", (f"u{i}", json.dumps({"data_id": f"val-9-{i}"}), state))
-    db.commit()
-    db.close()
+
+    async def write() -> None:
+        store = RolloutStore(tmp_path / "store.db")
+        try:
+            finished = [
+                (f"r-{step}-{i}", step, i, reward)
+                for step, rw in ((0, before), (5, after))
+                for i, reward in enumerate(rw)
+            ]
+            # An evaluation under way (step 9): its unfinished rollouts are left out, not counted as 0.
+            unfinished = [("u0", 9, 0, RolloutState.RUNNING), ("u1", 9, 1, RolloutState.QUEUING)]
+            items = [
+                RolloutCreate(rollout_id=rid, is_train=False, metadata={"data_id": f"val-{step}-{i}"})
+                for rid, step, i, _ in [*finished, *unfinished]
+            ]
+            await store.add_rollouts([*items, RolloutCreate(rollout_id="t", metadata={"data_id": "train-1"})])
+            for rid, _, _, reward in finished:
+                await store.update_status(rid, StatusFields(state=RolloutState.RUNNING, last_attempt_id="a1"))
+                await store.add_event(rid, "a1", EventCreate(event_type="reward", data={"value": reward}))
+                state = RolloutState.FAILED if reward == 0 else RolloutState.SUCCEEDED
+                await store.update_status(rid, StatusFields(state=state))
+            for rid, _, _, state in unfinished:
+                if state is RolloutState.RUNNING:
+                    await store.update_status(rid, StatusFields(state=state, last_attempt_id="a1"))
+        finally:
+            store.close()
+
+    asyncio.run(write())
     steps = heldout_rewards(tmp_path)
     assert steps == {0: dict(enumerate(map(float, before))), 5: dict(enumerate(map(float, after)))}  # no step 9
     r = paired_difference(steps[0], steps[5])
