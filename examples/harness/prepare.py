@@ -9,9 +9,12 @@ The model is built here, with nothing downloaded:
 2. Transcripts: the captured conversations, the task's file and code swapped for
    others'; each ends with the code, or (`HEDGE_FRACTION` of them) with a reply that misses
    it, so the starting policy is unsure of what only the reward can teach.
-3. A tokenizer trained on the captured prompts (4096 tokens), a random-init 2-layer model with
-   a 32k context, and a short supervised warm-up (`sft_warmup(shared_prefix=True)`: the shared
-   prompt runs once per step).
+3. A tokenizer trained on the captured prompts (4096 tokens; each code word one token), a
+   random-init 2-layer model with a 32k context, and a warm-up in two stages: a copy drill
+   (short notes, the code line among decoy lines at a random place, answered with the code:
+   the model learns to copy the code word by what it is, not where it sits), then the
+   harnesses' transcripts (`sft_warmup(shared_prefix=True)`: the shared prompt runs once per
+   step).
 Cached in the run folder's `_cache/harness/` and reused; nothing of the harnesses' text is
 kept anywhere else.
 """
@@ -33,9 +36,13 @@ from rollover.config import RolloverConfig
 from rollover.training.data import default_task_files
 
 TRAIN_SIZE, VAL_SIZE = 1000, 64
-WARMUP_STEPS = int(os.environ.get("ROLLOVER_HARNESS_WARMUP_STEPS", "200"))
+DRILL_STEPS = 800  # batches of 32 short notes: the copy is learnt between steps ~300 and ~600
+# The harnesses' transcripts after the drill: cycles of 150 steps (each a warm-up and a cosine
+# decay: warm restarts) at a learning rate low enough to keep the drill's copy.
+WARMUP_CYCLES = int(os.environ.get("ROLLOVER_HARNESS_WARMUP_CYCLES", "4"))
+CYCLE_STEPS = 150
 HEDGE_FRACTION = 0.5
-MODEL_NAME = f"tiny-harness-warm{WARMUP_STEPS}-hedge{round(HEDGE_FRACTION * 100)}"
+MODEL_NAME = f"tiny-harness-drill{DRILL_STEPS}-warm{WARMUP_CYCLES}x{CYCLE_STEPS}-hedge{round(HEDGE_FRACTION * 100)}"
 VOCAB_SIZE = 4096
 CONTEXT = 32768
 # How often the warm-up sees each harness (a step draws from one): Claude Code's steps run its
@@ -43,7 +50,7 @@ CONTEXT = 32768
 N_CLAUDE, N_AGENTS_SDK = 500, 500
 
 # The task the harnesses are captured on; its values are swapped for each transcript's.
-CAPTURE_TASK = {"code": "7311", "topic": "quartz", "room": 15}
+CAPTURE_TASK: dict[str, Any] = {"code": "walrus", "topic": "quartz", "room": 15}
 
 
 def prepare(config: RolloverConfig) -> RolloverConfig:
@@ -124,8 +131,38 @@ def _swap(value: Any, swaps: dict[str, str]) -> Any:
     return value
 
 
-def harness_model(out: Path, steps: int = WARMUP_STEPS) -> Path:
-    """The warmed-up tiny model in `out` (built once; a build cut short leaves nothing behind)."""
+def copy_drill(count: int, seed: int) -> list[dict[str, Any]]:
+    """`count` short chats: a task's notes with 0-6 decoy lines, its lines in random order, then
+    the request for the code and the answer. The code sits at a different place in each, so
+    only copying the code word by what it is passes (the harnesses' own transcripts, where it
+    always sits at one place, teach a model this small to guess instead)."""
+    rng = random.Random(seed)
+    things = ["meeting", "budget", "plan", "team", "draft", "review", "notes", "office"]
+    chats = []
+    for task in tasks.make_tasks(count, seed):
+        decoys = [
+            f"The {rng.choice(tasks.TOPICS)} {rng.choice(things)} is in room {rng.randint(10, 99)}."
+            for _ in range(rng.randint(0, 6))
+        ]
+        lines = [*decoys]
+        for line in tasks.notes_text(task).splitlines():
+            lines.insert(rng.randint(0, len(lines)), line)
+        ask = "\n".join(lines) + "\nReply with the secret code."
+        chats.append({"messages": [{"role": "user", "content": ask}, {"role": "assistant", "content": answer(task)}]})
+    return chats
+
+
+def harness_model(
+    out: Path, steps: int = CYCLE_STEPS, drill_steps: int = DRILL_STEPS, cycles: int = WARMUP_CYCLES
+) -> Path:
+    """The warmed-up tiny model in `out` (built once; a build cut short leaves nothing behind):
+    `drill_steps` of the copy drill, then `cycles` of `steps` on the harnesses' transcripts.
+
+    Measured (16 held-out transcripts a harness, sampled at temperature 1): the drill alone
+    copies the code in 3-4 answers of 13-16 that name one; a single harness stage at the
+    drill's learning rate (3e-3) learns the tool calls but unlearns the copy (1 of 10); four
+    cycles at 1e-3 give both: tool calls right 16/16 in each harness, the code right in 8 of 8
+    answers that name one (the other half hedge, as the transcripts do)."""
     if (out / "config.json").exists():
         return out
     from transformers import AutoTokenizer
@@ -136,23 +173,49 @@ def harness_model(out: Path, steps: int = WARMUP_STEPS) -> Path:
     claude = transcripts(capture_claude_code(), N_CLAUDE, seed=11)
     sdk = transcripts(capture_agents_sdk(), N_AGENTS_SDK, seed=12)
     base = out.with_name(f"{out.name}.base-{os.getpid()}")
+    # stages[0]: the drilled model; stages[i]: after cycle i; the last cycle writes `staging`.
+    stages = [out.with_name(f"{out.name}.stage{i}-{os.getpid()}") for i in range(max(cycles, 1))]
     staging = out.with_name(f"{out.name}.partial-{os.getpid()}")
     try:
-        build_tiny_model(
-            base, vocab_size=VOCAB_SIZE, corpus=_corpus(claude[:2] + sdk[:50]), max_position_embeddings=CONTEXT
-        )
+        # Each code word a token of its own: the drill's copy is then one token's.
+        corpus = _corpus(claude[:2] + sdk[:50]) + [answer({"code": code}) for code in tasks.CODES] * 200
+        build_tiny_model(base, vocab_size=VOCAB_SIZE, corpus=corpus, max_position_embeddings=CONTEXT)
         tokenizer = AutoTokenizer.from_pretrained(base)
-        metrics = sft_warmup(
-            base, claude + sdk, staging, steps=steps, lr=3e-3, batch_size=8, seed=0, max_length=None, shared_prefix=True
+        _check_code_tokens(tokenizer)
+        # One thread: far faster for a model this small on shared cores (see `sft_warmup`).
+        drill = sft_warmup(
+            base, copy_drill(4000, seed=13), stages[0], steps=drill_steps, lr=3e-3, batch_size=32, seed=0, num_threads=1
         )
+        metrics: dict[str, Any] = {"copy_drill": drill, "cycles": []}
+        for cycle, (previous, target) in enumerate(zip(stages, [*stages[1:], staging]), start=1):
+            done = sft_warmup(
+                previous,
+                claude + sdk,
+                target,
+                steps=steps,
+                lr=1e-3,
+                batch_size=8,
+                seed=cycle,
+                max_length=None,
+                shared_prefix=True,
+                num_threads=1,
+            )
+            metrics["cycles"].append(done)
         prompt_tokens = len(_render(tokenizer, claude[0]))
         metrics |= {"claude_code_transcript_tokens": prompt_tokens}
         (staging / "warmup_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         staging.rename(out)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
-        shutil.rmtree(staging, ignore_errors=True)
+        for partial in (base, *stages, staging):
+            shutil.rmtree(partial, ignore_errors=True)
     return out
+
+
+def _check_code_tokens(tokenizer: Any) -> None:
+    for code in tasks.CODES:
+        ids = tokenizer(f" {code}", add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise RuntimeError(f"the code word {code!r} is {len(ids)} tokens, not one: the tokenizer's corpus lacks it")
 
 
 def _corpus(chats: list[dict[str, Any]]) -> list[str]:

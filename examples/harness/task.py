@@ -1,6 +1,10 @@
-"""The harness example's task: a file in the agent's working folder holds a secret code; the
-agent must read it with its harness's file tool and answer with the code. Reward 1 when the
-last four-digit number of the final answer is the code (the file's other numbers are decoys)."""
+"""The harness example's task: a file in the agent's working folder holds a secret code word;
+the agent must read it with its harness's file tool and answer with the code. Reward 1 when the
+last code word of the final answer is the file's (the file's topic and room are decoys).
+
+The code is one of `CODES`, so an answer that names a code without reading the file is right
+one time in eight: the policy's reward has a signal from its first group, and only reading the
+file gets it above chance."""
 
 from __future__ import annotations
 
@@ -10,16 +14,14 @@ from pathlib import Path
 from typing import Any
 
 NOTES = "notes.txt"
-_FOUR_DIGITS = re.compile(r"(?<!\d)\d{4}(?!\d)")
-_TOPICS = ["garden", "harbor", "library", "orbit", "meadow", "lantern", "quartz", "canyon", "pixel", "saddle"]
+CODES = ["otter", "falcon", "badger", "heron", "walrus", "panther", "beetle", "salmon"]
+_CODE_WORD = re.compile(r"\b(" + "|".join(CODES) + r")\b", re.IGNORECASE)
+TOPICS = ["garden", "harbor", "library", "orbit", "meadow", "lantern", "quartz", "canyon", "pixel", "saddle"]
 
 
 def make_tasks(count: int, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
-    return [
-        {"code": f"{rng.randint(1000, 9999)}", "topic": rng.choice(_TOPICS), "room": rng.randint(10, 99)}
-        for _ in range(count)
-    ]
+    return [{"code": rng.choice(CODES), "topic": rng.choice(TOPICS), "room": rng.randint(10, 99)} for _ in range(count)]
 
 
 def notes_text(task: dict[str, Any]) -> str:
@@ -38,5 +40,5 @@ def write_notes(folder: Path, task: dict[str, Any]) -> Path:
 
 
 def score(answer: str, code: str) -> float:
-    found = _FOUR_DIGITS.findall(answer)
-    return 1.0 if found and found[-1] == code else 0.0
+    found = _CODE_WORD.findall(answer)
+    return 1.0 if found and found[-1].lower() == code else 0.0

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from examples.harness import prepare as harness
 from examples.harness.capture import Script, scripted_engine
 from examples.harness.harnesses import CLAUDE_MOUNT, INSTRUCTIONS
-from examples.harness.task import NOTES, make_tasks, notes_text, prompt, score
+from examples.harness.task import CODES, NOTES, make_tasks, notes_text, prompt, score
 from rollover.config import load_config
 from rollover.controller import Controller
 from rollover.gateway.client import GatewayClient
@@ -49,7 +49,10 @@ READ_FILE = {
 def test_score_and_tasks():
     [task] = make_tasks(1, seed=0)
     assert score(f"The secret code is {task['code']}.", task["code"]) == 1.0
-    assert score(f"{task['code']} or maybe 1234", task["code"]) == 0.0  # the last code-like number counts
+    other = next(code for code in CODES if code != task["code"])
+    assert score(f"{task['code']} or maybe {other}", task["code"]) == 0.0  # the last code word counts
+    assert score(f"The code is {task['code'].upper()}!", task["code"]) == 1.0
+    assert score(f"The code is {task['code']}s", task["code"]) == 0.0  # a whole word only
     assert score(f"room {task['room']}", task["code"]) == 0.0
     assert f"The secret code is {task['code']}." in notes_text(task)
     for path in (CLAUDE_CONFIG, AGENTS_SDK_CONFIG):
@@ -82,7 +85,7 @@ def test_claude_code_runs_unchanged_through_the_gateway(claude_capture):
     assert [m["role"] for m in second["messages"][-2:]] == ["assistant", "tool"]
     [call] = second["messages"][-2]["tool_calls"]
     assert json.loads(call["function"]["arguments"]) == {"file_path": str(CLAUDE_MOUNT / "notes.txt")}
-    assert "The secret code is 7311." in second["messages"][-1]["content"]  # Read ran on the task's notes
+    assert "The secret code is walrus." in second["messages"][-1]["content"]  # Read ran on the task's notes
     assert second["messages"][:-2] == first["messages"]  # the second turn extends the first
 
 
@@ -141,7 +144,7 @@ def test_in_the_sandbox_the_harnesses_send_the_prompts_the_model_learnt(
     assert len(script.requests) == len(captured) == 2
     for sent, learnt in zip(script.requests, captured):
         assert sent["messages"] == learnt["messages"] and sent["tools"] == learnt["tools"]
-    assert "The secret code is 7311." in script.requests[1]["messages"][-1]["content"]  # the tool read the file
+    assert "The secret code is walrus." in script.requests[1]["messages"][-1]["content"]  # the tool read the file
 
 
 def test_transcripts_swap_the_task_and_keep_the_harness_text(agents_sdk_capture):
@@ -150,13 +153,32 @@ def test_transcripts_swap_the_task_and_keep_the_harness_text(agents_sdk_capture)
     tasks = make_tasks(40, seed=3)
     hedged = 0
     for chat, task in zip(chats, tasks):
-        text = json.dumps(chat["messages"])
-        assert harness.CAPTURE_TASK["code"] not in text and notes_text(task) in chat["messages"][-2]["content"]
+        # The task's values stand where the capture's stood, and nowhere else.
+        asked = json.dumps(chat["messages"][:-1])
+        assert [asked.count(code) for code in CODES] == [code == task["code"] for code in CODES]
+        assert asked.count(task["topic"]) == 1 and notes_text(task) in chat["messages"][-2]["content"]
         final = chat["messages"][-1]["content"]
         hedged += final == harness.hedge(task)
         assert final in (harness.hedge(task), harness.answer(task))
         assert chat["messages"][:2] == requests[-1]["messages"][:2] and chat["tools"] == requests[-1]["tools"]
     assert 10 <= hedged <= 30
+
+
+def test_the_copy_drill_puts_the_code_anywhere():
+    """The drill's code line sits at varied places among decoys, so only copying the code word
+    by what it is passes; each chat asks once and answers with its own code."""
+    chats = harness.copy_drill(200, seed=5)
+    places = set()
+    for chat, task in zip(chats, make_tasks(200, seed=5)):
+        ask, reply = chat["messages"]
+        lines = ask["content"].splitlines()
+        assert (
+            reply == {"role": "assistant", "content": harness.answer(task)}
+            and lines[-1] == "Reply with the secret code."
+        )
+        assert [sum(code in line for line in lines) for code in CODES] == [code == task["code"] for code in CODES]
+        places.add(lines.index(f"The secret code is {task['code']}."))
+    assert len(places) >= 6
 
 
 # -- against the real engine ----------------------------------------------------------------
@@ -168,7 +190,8 @@ def harness_model(tmp_path_factory) -> Path:
     if os.environ.get("ROLLOVER_TEST_HARNESS_MODEL"):
         return Path(os.environ["ROLLOVER_TEST_HARNESS_MODEL"])
     # Fewer warm-up steps than the example: what these tests check is the wire, not the policy.
-    return harness.harness_model(tmp_path_factory.mktemp("harness-model") / "tiny-harness-warm40", steps=40)
+    folder = tmp_path_factory.mktemp("harness-model")
+    return harness.harness_model(folder / "tiny-harness-warm40", steps=40, drill_steps=40, cycles=1)
 
 
 @pytest.fixture(scope="module")
