@@ -172,10 +172,13 @@ def harness_model(
 
     claude = transcripts(capture_claude_code(), N_CLAUDE, seed=11)
     sdk = transcripts(capture_agents_sdk(), N_AGENTS_SDK, seed=12)
+    if cycles < 1:
+        raise ValueError(f"cycles must be at least 1, got {cycles}")
     base = out.with_name(f"{out.name}.base-{os.getpid()}")
-    # stages[0]: the drilled model; stages[i]: after cycle i; the last cycle writes `staging`.
-    stages = [out.with_name(f"{out.name}.stage{i}-{os.getpid()}") for i in range(max(cycles, 1))]
+    drilled = out.with_name(f"{out.name}.drill-{os.getpid()}")
     staging = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    # Where each cycle writes: a folder of its own, the last one `staging`.
+    cycle_outs = [out.with_name(f"{out.name}.cycle{i}-{os.getpid()}") for i in range(1, cycles)] + [staging]
     try:
         # Each code word a token of its own: the drill's copy is then one token's.
         corpus = _corpus(claude[:2] + sdk[:50]) + [answer({"code": code}) for code in tasks.CODES] * 200
@@ -184,10 +187,11 @@ def harness_model(
         _check_code_tokens(tokenizer)
         # One thread: far faster for a model this small on shared cores (see `sft_warmup`).
         drill = sft_warmup(
-            base, copy_drill(4000, seed=13), stages[0], steps=drill_steps, lr=3e-3, batch_size=32, seed=0, num_threads=1
+            base, copy_drill(4000, seed=13), drilled, steps=drill_steps, lr=3e-3, batch_size=32, seed=0, num_threads=1
         )
         metrics: dict[str, Any] = {"copy_drill": drill, "cycles": []}
-        for cycle, (previous, target) in enumerate(zip(stages, [*stages[1:], staging]), start=1):
+        previous = drilled
+        for cycle, target in enumerate(cycle_outs, start=1):
             done = sft_warmup(
                 previous,
                 claude + sdk,
@@ -201,12 +205,13 @@ def harness_model(
                 num_threads=1,
             )
             metrics["cycles"].append(done)
+            previous = target
         prompt_tokens = len(_render(tokenizer, claude[0]))
         metrics |= {"claude_code_transcript_tokens": prompt_tokens}
         (staging / "warmup_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         staging.rename(out)
     finally:
-        for partial in (base, *stages, staging):
+        for partial in (base, drilled, *cycle_outs):
             shutil.rmtree(partial, ignore_errors=True)
     return out
 
