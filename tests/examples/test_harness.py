@@ -386,6 +386,9 @@ def test_claude_code_completes_rollouts_and_two_updates_train_on_them(tmp_path, 
     for row in train:
         assert row["rollouts/n_failed"] == 0 and row["rollouts/n_missing_reward"] == 0
         assert row["rollouts/n_samples"] >= 2
+        # the config's micro-batch holds the update's samples: the system prompt and tools they
+        # share (> 10k of each sample's ~12k tokens) are computed once, not once per sample
+        assert row["training/prefix_shared_tokens_fraction"] > 0.4
     records = _rollout_records(tmp_path / "claude" / "store.db")
     assert len(records) >= 4
     for calls in records.values():
