@@ -163,6 +163,8 @@ def harness_model(
     drill's learning rate (3e-3) learns the tool calls but unlearns the copy (1 of 10); four
     cycles at 1e-3 give both: tool calls right 16/16 in each harness, the code right in 8 of 8
     answers that name one (the other half hedge, as the transcripts do)."""
+    if cycles < 1:
+        raise ValueError(f"cycles must be at least 1, got {cycles}")
     if (out / "config.json").exists():
         return out
     from transformers import AutoTokenizer
@@ -172,8 +174,6 @@ def harness_model(
 
     claude = transcripts(capture_claude_code(), N_CLAUDE, seed=11)
     sdk = transcripts(capture_agents_sdk(), N_AGENTS_SDK, seed=12)
-    if cycles < 1:
-        raise ValueError(f"cycles must be at least 1, got {cycles}")
     base = out.with_name(f"{out.name}.base-{os.getpid()}")
     drilled = out.with_name(f"{out.name}.drill-{os.getpid()}")
     staging = out.with_name(f"{out.name}.partial-{os.getpid()}")
