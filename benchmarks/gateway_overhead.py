@@ -17,7 +17,9 @@ one aiohttp session per figure. Targets are measured in interleaved rounds (dire
 Agent Lightning, again...) so a change in machine load hits all of them alike.
 
 With `--floor` it also measures `relay_floor.py`, a relay that only relays (figures 1 and 2):
-what a process and two loopback hops on the path cost here before any gateway work.
+what a process and two loopback hops on the path cost here before any gateway work; and the
+same relay committing each call to a SQLite file before answering (`floor+record`): the least
+a gateway that records every call durably can add.
 
 Usage: python benchmarks/gateway_overhead.py [--agl-python /work/cache/agl-venv/bin/python] [--floor]
        [--latency-requests 2000] [--throughput-requests 1920] [--rounds 4] [--json]
@@ -196,18 +198,30 @@ def start_baseline(stack: ExitStack, root: str, upstream: str, folder: str) -> G
     )
 
 
-def start_floor(stack: ExitStack, upstream: str) -> Gateway:
-    """`relay_floor.py`: the relay that does nothing but relay (what any gateway pays first)."""
+def start_floor(stack: ExitStack, upstream: str, record: str | None = None) -> Gateway:
+    """`relay_floor.py`: the relay that does nothing but relay (what any gateway pays first);
+    with `record` (a SQLite file), one that also commits each call before answering it."""
     port = free_port()
+    flags = [] if record is None else ["--record", record]
     process = subprocess.Popen(
-        [sys.executable, str(ROOT / "benchmarks" / "relay_floor.py"), "--port", str(port), "--upstream", upstream],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "relay_floor.py"),
+            "--port",
+            str(port),
+            "--upstream",
+            upstream,
+            *flags,
+        ],
         start_new_session=True,
         preexec_fn=die_with_parent,
     )
     stack.callback(kill_group, process)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process=process)
-    return Gateway("floor", url, process.pid, {}, lambda rid: {}, [], relay_only=True)
+    return Gateway(
+        "floor" if record is None else "floor+record", url, process.pid, {}, lambda rid: {}, [], relay_only=True
+    )
 
 
 def start_agent_lightning(stack: ExitStack, python: str, upstream: str, folder: str) -> Gateway:
@@ -452,6 +466,7 @@ def run_benchmark(settings: Settings) -> Report:
         gateways = [start_rollover(stack, upstream, folder)]
         if settings.floor:
             gateways.append(start_floor(stack, upstream))
+            gateways.append(start_floor(stack, upstream, f"{folder}/floor.db"))
         if settings.baseline_root:
             gateways.append(start_baseline(stack, settings.baseline_root, upstream, folder))
         if settings.agl_python:
