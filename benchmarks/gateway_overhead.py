@@ -9,6 +9,10 @@ Figures (the issue's targets in brackets):
 5. the translated APIs (Rollover only): added latency p50 at concurrency 1 of Anthropic's
    Messages and OpenAI's Responses through the gateway (translated to the stand-in's chat
    completions) over the stand-in serving the same API itself, streamed and not  [<= 0.5 ms]
+6. with `--engine MODEL_DIR`: figure 5 against a real vLLM engine (TCP, eager, one-token
+   answers) serving that model: its own `/v1/chat/completions`, `/v1/messages` and
+   `/v1/responses` against the same calls through a Rollover gateway of its own, on the
+   attempt's train path (the engine also computes logprobs, as in training) and its val path
 
 Every server is its own process (the stand-in `rollover.testing.stub_upstream`, Rollover's
 `GatewayProcess` on a SQLite file, Agent Lightning's `python -m agentlightning.server` run as
@@ -22,6 +26,7 @@ same relay committing each call to a SQLite file before answering (`floor+record
 a gateway that records every call durably can add.
 
 Usage: python benchmarks/gateway_overhead.py [--agl-python /work/cache/agl-venv/bin/python] [--floor]
+       [--engine runs/_cache/calc/tiny-warm600-prose60]
        [--latency-requests 2000] [--throughput-requests 1920] [--rounds 4] [--json]
 """
 
@@ -85,6 +90,8 @@ class Settings:
     agl_python: str | None = None  # a Python with agentlightning installed
     baseline_root: str | None = None  # another Rollover source tree (an older commit) to measure too
     floor: bool = False  # also measure `relay_floor.py`, a relay that does nothing else
+    engine: str | None = None  # figure 6: a model folder, served by vLLM
+    engine_requests: int = 800  # figure 6, per API and path
 
 
 @dataclass
@@ -107,6 +114,8 @@ class Report:
     load: tuple[float, float] = (0.0, 0.0)
     # figure 5, per API: the p50 ms served natively by the stand-in, and through Rollover
     apis: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # figure 6, per API: the p50 ms served by vLLM itself, through Rollover's train and val paths
+    engine_apis: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
     def added_latency_ms(self, path: str) -> float | None:
         mine, direct = self.paths[path].latency_p50_ms, self.paths["direct"].latency_p50_ms
@@ -125,6 +134,9 @@ class Report:
             "added_latency_ms": {p: self.added_latency_ms(p) for p in gateways},
             "throughput_ratio": {p: self.throughput_ratio(p) for p in gateways},
             "apis_added_latency_ms": {api: through - direct for api, (direct, through) in self.apis.items()},
+            "engine_apis_added_latency_ms": {
+                api: {"train": train - own, "val": val - own} for api, (own, train, val) in self.engine_apis.items()
+            },
         }
 
 
@@ -459,6 +471,73 @@ async def measure(
     return figures
 
 
+async def measure_engine(
+    settings: Settings, engine_url: str, engine_pid: int, engine_headers: dict[str, str], gateway: Gateway
+) -> dict[str, tuple[float, float, float]]:
+    """Figure 6: each API at c=1, one-token answers, vLLM itself against through the gateway on
+    the attempt's train and val paths, in interleaved rounds."""
+    found: dict[str, tuple[float, float, float]] = {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with session.post(
+            f"{gateway.url}/api/models", json=gateway.model_body, headers=gateway.admin_headers
+        ) as response:
+            assert response.status == 201, await response.text()
+        ids = await running_rollouts(session, gateway, 8)
+        apis = {"chat completions": ("chat/completions", "openai/v1/chat/completions", CHAT | {"model": MODEL})}
+        for api, (native, proxied, body) in (apis | APIS).items():
+            one_token = body | ({"max_output_tokens": 1} if "max_output_tokens" in body else {"max_tokens": 1})
+            encoded = json.dumps(one_token).encode()
+            calls = {"own": cycling([(f"{engine_url}/{native}", encoded, json_headers(engine_headers))])}
+            for mode in ("train", "val"):
+                calls[mode] = cycling(
+                    [
+                        (
+                            f"{gateway.url}/proxy/rollout/{rid}/attempt/{ATTEMPT}/mode/{mode}/{proxied}",
+                            encoded,
+                            json_headers(gateway.agent_headers(rid)),
+                        )
+                        for rid in ids
+                    ]
+                )
+            paired: dict[str, tuple[Run, int]] = {}
+            for name, call in calls.items():
+                await hammer(session, call, 50, 1)  # warm-up
+                pid = engine_pid if name == "own" else gateway.pid
+                paired[name] = ((lambda c: lambda requests: hammer(session, c, requests, 1))(call), pid)
+            results = await interleaved(paired, settings.engine_requests, settings.rounds)
+            own, train, val = (percentile(results[n].latencies, 50) * 1e3 for n in ("own", "train", "val"))
+            found[api] = (own, train, val)
+    return found
+
+
+def run_engine_figure(settings: Settings, folder: str) -> dict[str, tuple[float, float, float]]:
+    """vLLM on `settings.engine` over TCP, a Rollover gateway of its own in front of it."""
+    assert settings.engine is not None
+    from rollover.engine.vllm_engine import VLLMEngine
+    from rollover.gateway.keys import upstream_key
+
+    with ExitStack() as stack:
+        engine = VLLMEngine(
+            settings.engine,
+            log_path=f"{folder}/engine.log",
+            max_model_len=1024,
+            enforce_eager=True,
+            unix_socket=False,
+            kv_cache_space_gb=1,
+            start_timeout_s=600,
+        )
+        engine.start()
+        stack.callback(engine.stop)
+        engine.wait_ready()
+        asyncio.run(engine.open_to_gateway(upstream_key(KEY)))
+        assert engine.pid is not None
+        os.makedirs(f"{folder}/engine-gateway", exist_ok=True)
+        gateway = start_rollover(stack, engine.base_url, f"{folder}/engine-gateway")
+        with engine.client() as http:  # the owner's key, which opens the engine's routes
+            owner = {"Authorization": http.headers["authorization"]}
+        return asyncio.run(measure_engine(settings, engine.base_url, engine.pid, owner, gateway))
+
+
 def run_benchmark(settings: Settings) -> Report:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as folder, ExitStack() as stack:
@@ -473,7 +552,10 @@ def run_benchmark(settings: Settings) -> Report:
             gateways.append(start_agent_lightning(stack, settings.agl_python, upstream, folder))
         apis: dict[str, tuple[float, float]] = {}
         paths = asyncio.run(measure(settings, upstream, stub_pid, gateways, apis))
-    return Report(settings=settings, paths=paths, load=(load_before, os.getloadavg()[0]), apis=apis)
+        engine_apis = run_engine_figure(settings, folder) if settings.engine else {}
+    return Report(
+        settings=settings, paths=paths, load=(load_before, os.getloadavg()[0]), apis=apis, engine_apis=engine_apis
+    )
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -528,6 +610,11 @@ def format_report(report: Report) -> str:
             f"{api + ': p50 ms native, through rollover':<44}{direct:>{width}.2f}{through:>{width}.2f}"
             f"{through - direct:>+{width}.2f} added (target <= {TARGETS['latency_ms']})"
         )
+    for api, (own, train, val) in report.engine_apis.items():
+        lines.append(
+            f"{api + ': p50 ms vLLM, through train, val':<44}{own:>{width}.2f}{train:>{width}.2f}{val:>{width}.2f}"
+            f"   added {train - own:+.2f} (train), {val - own:+.2f} (val)"
+        )
     floor, ours_added = report.paths.get("floor"), report.added_latency_ms("rollover")
     if floor is not None and ours_added is not None:
         floor_added = report.added_latency_ms("floor") or 0.0
@@ -553,6 +640,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.add_argument(flag, default=None, help="a Python with agentlightning installed, to compare")
         elif name == "baseline_root":
             parser.add_argument(flag, default=None, help="a Rollover source tree (another commit) to compare")
+        elif name == "engine":
+            parser.add_argument(flag, default=None, help="a model folder: figure 6, against vLLM serving it")
         elif name == "floor":
             parser.add_argument(flag, action="store_true", help="also measure benchmarks/relay_floor.py")
         else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import sqlite3
 
 import pytest
 
@@ -116,10 +117,33 @@ def test_gateway_overhead_smoke():
     assert json.loads(json.dumps(report.to_json()))["throughput_ratio"]["rollover"] > 0
     floor = report.paths["floor"]  # the bare relay answered every call; it has no rollout API
     assert floor.latency_p50_ms > 0 and report.throughput_ratio("floor") > 0 and floor.rollouts_per_s is None
+    recording = report.paths["floor+record"]  # the relay that commits each call before answering
+    assert recording.latency_p50_ms > 0 and report.throughput_ratio("floor+record") > 0
     assert "above the floor" in gateway_overhead.format_report(report)
     # The translated APIs, each against the stand-in serving it natively.
     assert set(report.apis) == set(gateway_overhead.APIS)
     assert all(direct > 0 and through > 0 for direct, through in report.apis.values())
+
+
+@pytest.mark.vllm
+def test_gateway_overhead_engine_figure(tmp_path, calc_model):
+    """Figure 6: every API served by vLLM itself and through a gateway, on both paths."""
+    settings = gateway_overhead.Settings(engine=str(calc_model), engine_requests=8, rounds=1)
+    found = gateway_overhead.run_engine_figure(settings, str(tmp_path))
+    assert set(found) == {"chat completions", *gateway_overhead.APIS}
+    assert all(own > 0 and train > 0 and val > 0 for own, train, val in found.values())
+    report = gateway_overhead.Report(settings=settings, engine_apis=found)
+    assert set(report.to_json()["engine_apis_added_latency_ms"]["responses"]) == {"train", "val"}
+
+
+def test_relay_floor_records_each_call_before_answering(tmp_path):
+    """`relay_floor --record`: one committed row per call, holding the request and the answer."""
+    from benchmarks.relay_floor import Recorder
+
+    recorder = Recorder(str(tmp_path / "floor.db"))
+    recorder.commit(b'{"q": 1}', b'{"a": 2}')
+    rows = sqlite3.connect(tmp_path / "floor.db").execute("SELECT request, answer FROM calls").fetchall()
+    assert rows == [(b'{"q": 1}', b'{"a": 2}')]
 
 
 @pytest.mark.slow
