@@ -185,6 +185,10 @@ def test_command_line_and_environment(tmp_path: Path) -> None:
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"  # the worker in the engine core
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"  # CPU threads sleep at barriers, shared cores
+    with pytest.MonkeyPatch.context() as patch:  # the user's own setting wins
+        patch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+        assert cpu._env()["OMP_WAIT_POLICY"] == "ACTIVE"
     gpu = VLLMEngine(
         tmp_path,
         device="cuda",
@@ -196,6 +200,7 @@ def test_command_line_and_environment(tmp_path: Path) -> None:
     argv = gpu.command()
     assert "--enable-sleep-mode" in argv and argv[-2:] == ["--seed", "3"]
     assert "--distributed-executor-backend" not in argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu._env()
+    assert gpu._env().get("OMP_WAIT_POLICY") == os.environ.get("OMP_WAIT_POLICY")  # a GPU engine's as given
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.4"
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
     # On TCP (another node's engine) port=0 picks a free one; on a socket it is not used.
