@@ -276,6 +276,13 @@ async def running_rollouts(session: aiohttp.ClientSession, gateway: Gateway, cou
     return ids
 
 
+async def serving_agents(session: aiohttp.ClientSession, gateway: Gateway, count: int) -> list[str]:
+    """The gateway's model registered, then `count` running rollouts (their ids) to call through."""
+    async with session.post(f"{gateway.url}/api/models", json=gateway.model_body, headers=gateway.admin_headers) as r:
+        assert r.status == 201, await r.text()
+    return await running_rollouts(session, gateway, count)
+
+
 # -- the load ------------------------------------------------------------------------------
 
 Request = tuple[str, bytes, dict[str, str]]  # url, body, headers
@@ -284,6 +291,20 @@ Call = Callable[[int], Request]  # request number -> what to send
 
 def cycling(requests: list[Request]) -> Call:
     return lambda n: requests[n % len(requests)]
+
+
+def attempt_calls(gateway: Gateway, ids: list[str], mode: str, proxied: str, body: bytes) -> Call:
+    """`body` POSTed to `proxied` under each running rollout's proxy path in turn, with its key."""
+    return cycling(
+        [
+            (
+                f"{gateway.url}/proxy/rollout/{rid}/attempt/{ATTEMPT}/mode/{mode}/{proxied}",
+                body,
+                json_headers(gateway.agent_headers(rid)),
+            )
+            for rid in ids
+        ]
+    )
 
 
 async def hammer(
@@ -351,6 +372,23 @@ def percentile(values: Sequence[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
+async def p50s_at_c1(
+    session: aiohttp.ClientSession,
+    calls: dict[str, tuple[Call, int]],
+    requests: int,
+    rounds: int,
+    warmup: tuple[int, int],
+) -> dict[str, float]:
+    """Each call (with the pid of the server it loads) warmed up (`warmup`: requests,
+    concurrency), then `requests` of each one at a time in interleaved rounds: p50 ms by name."""
+    paired: dict[str, tuple[Run, int]] = {}
+    for name, (call, pid) in calls.items():
+        await hammer(session, call, *warmup)
+        paired[name] = ((lambda c: lambda n: hammer(session, c, n, 1))(call), pid)
+    results = await interleaved(paired, requests, rounds)
+    return {name: percentile(measured.latencies, 50) * 1e3 for name, measured in results.items()}
+
+
 async def measure(
     settings: Settings, upstream: str, stub_pid: int, gateways: list[Gateway], apis: dict[str, tuple[float, float]]
 ) -> dict[str, PathFigures]:
@@ -361,11 +399,7 @@ async def measure(
         agents: dict[str, list[str]] = {}
         api_gateways = [g for g in gateways if not g.relay_only]
         for gateway in api_gateways:
-            async with session.post(
-                f"{gateway.url}/api/models", json=gateway.model_body, headers=gateway.admin_headers
-            ) as response:
-                assert response.status == 201, await response.text()
-            agents[gateway.name] = await running_rollouts(session, gateway, settings.throughput_concurrency)
+            agents[gateway.name] = await serving_agents(session, gateway, settings.throughput_concurrency)
 
         def chat_calls(delay: float) -> dict[str, Call]:
             body = json.dumps(CHAT | {"metadata": {"stub_delay": delay}}).encode()
@@ -376,12 +410,7 @@ async def measure(
                     calls[gateway.name] = cycling([(f"{gateway.url}/relay", body, json_headers({}))])
                     continue
                 ids = agents[gateway.name]
-                urls = [
-                    (f"{gateway.url}/proxy/rollout/{rid}/attempt/{ATTEMPT}/mode/train/openai/v1/chat/completions", rid)
-                    for rid in ids
-                ]
-                prepared = [(url, body, json_headers(gateway.agent_headers(rid))) for url, rid in urls]
-                calls[gateway.name] = cycling(prepared)
+                calls[gateway.name] = attempt_calls(gateway, ids, "train", "openai/v1/chat/completions", body)
             return calls
 
         pids = {"direct": stub_pid} | {g.name: g.pid for g in gateways}
@@ -406,31 +435,16 @@ async def measure(
         rollover = next(g for g in gateways if g.name == "rollover")
         for api, (native, proxied, api_body) in APIS.items():
             encoded = json.dumps(api_body).encode()
-            paired: dict[str, tuple[Run, int]] = {}
-            for name, pid, call in (
-                ("direct", stub_pid, cycling([(f"{upstream}/{native}", encoded, json_headers({}))])),
-                (
-                    "rollover",
-                    rollover.pid,
-                    cycling(
-                        [
-                            (
-                                f"{rollover.url}/proxy/rollout/{rid}/attempt/{ATTEMPT}/mode/train/{proxied}",
-                                encoded,
-                                json_headers(rollover.agent_headers(rid)),
-                            )
-                            for rid in agents["rollover"]
-                        ]
-                    ),
-                ),
-            ):
-                await hammer(session, call, 100, 4)  # warm-up
-                paired[name] = ((lambda c: lambda requests: hammer(session, c, requests, 1))(call), pid)
-            results = await interleaved(paired, settings.latency_requests // 2, settings.rounds)
-            apis[api] = (
-                percentile(results["direct"].latencies, 50) * 1e3,
-                percentile(results["rollover"].latencies, 50) * 1e3,
+            direct = cycling([(f"{upstream}/{native}", encoded, json_headers({}))])
+            through = attempt_calls(rollover, agents["rollover"], "train", proxied, encoded)
+            p50 = await p50s_at_c1(
+                session,
+                {"direct": (direct, stub_pid), "rollover": (through, rollover.pid)},
+                settings.latency_requests // 2,
+                settings.rounds,
+                warmup=(100, 4),
             )
+            apis[api] = (p50["direct"], p50["rollover"])
 
         # 2. throughput at concurrency 64, slow upstream
         slow = chat_calls(settings.slow_delay)
@@ -478,35 +492,16 @@ async def measure_engine(
     the attempt's train and val paths, in interleaved rounds."""
     found: dict[str, tuple[float, float, float]] = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async with session.post(
-            f"{gateway.url}/api/models", json=gateway.model_body, headers=gateway.admin_headers
-        ) as response:
-            assert response.status == 201, await response.text()
-        ids = await running_rollouts(session, gateway, 8)
+        ids = await serving_agents(session, gateway, 8)
         apis = {"chat completions": ("chat/completions", "openai/v1/chat/completions", CHAT | {"model": MODEL})}
         for api, (native, proxied, body) in (apis | APIS).items():
             one_token = body | ({"max_output_tokens": 1} if "max_output_tokens" in body else {"max_tokens": 1})
             encoded = json.dumps(one_token).encode()
-            calls = {"own": cycling([(f"{engine_url}/{native}", encoded, json_headers(engine_headers))])}
+            calls = {"own": (cycling([(f"{engine_url}/{native}", encoded, json_headers(engine_headers))]), engine_pid)}
             for mode in ("train", "val"):
-                calls[mode] = cycling(
-                    [
-                        (
-                            f"{gateway.url}/proxy/rollout/{rid}/attempt/{ATTEMPT}/mode/{mode}/{proxied}",
-                            encoded,
-                            json_headers(gateway.agent_headers(rid)),
-                        )
-                        for rid in ids
-                    ]
-                )
-            paired: dict[str, tuple[Run, int]] = {}
-            for name, call in calls.items():
-                await hammer(session, call, 50, 1)  # warm-up
-                pid = engine_pid if name == "own" else gateway.pid
-                paired[name] = ((lambda c: lambda requests: hammer(session, c, requests, 1))(call), pid)
-            results = await interleaved(paired, settings.engine_requests, settings.rounds)
-            own, train, val = (percentile(results[n].latencies, 50) * 1e3 for n in ("own", "train", "val"))
-            found[api] = (own, train, val)
+                calls[mode] = (attempt_calls(gateway, ids, mode, proxied, encoded), gateway.pid)
+            p50 = await p50s_at_c1(session, calls, settings.engine_requests, settings.rounds, warmup=(50, 1))
+            found[api] = (p50["own"], p50["train"], p50["val"])
     return found
 
 

@@ -2,8 +2,8 @@
 
 It runs as its own process on uvloop with httptools (what Rollover's gateway runs on) and
 passes each POST's body to the upstream and the answer back, over one kept-alive upstream
-connection per client connection (opened again when the upstream closes it idle); any other request gets `200 {}` (a readiness check). No
-routing, auth, JSON, pause state or store. The overhead benchmark (`gateway_overhead.py
+connection per client connection (opened again when the upstream closes it idle); any other
+request gets `200 {}` (a readiness check). No routing, auth, JSON, pause state or store. The overhead benchmark (`gateway_overhead.py
 --floor`) measures it beside the real gateway: its added latency is what two more loopback
 hops and a process on the path cost before the gateway does any work.
 
@@ -29,7 +29,7 @@ import uvloop
 
 
 class Recorder:
-    """Each call committed as one row before its answer goes back (None: nothing recorded)."""
+    """Each call committed as one row of a SQLite file before its answer goes back."""
 
     def __init__(self, path: str) -> None:
         self.conn = sqlite3.connect(path, isolation_level=None)
