@@ -101,6 +101,11 @@ class PathFigures:
     latency_p50_ms: float | None = None
     latency_p99_ms: float | None = None
     cpu_ms_per_call: float | None = None  # of the server (direct: the upstream's), at c=1
+    # at c=1, the stand-in's and the benchmark client's: the same work on every path (but for
+    # the token ids and logprobs Rollover asks the stand-in for, ~0.03 ms of its CPU), so what
+    # they spend more behind a gateway is what its process costs its neighbours on shared cores
+    stand_in_cpu_ms_per_call: float | None = None
+    client_cpu_ms_per_call: float | None = None
     throughput_rps: float | None = None
     rollouts_per_s: float | None = None
     events_per_s: float | None = None
@@ -344,27 +349,36 @@ class Measured:
     latencies: list[float] = field(default_factory=list)
     wall: float = 0.0
     cpu: float = 0.0  # seconds of the server process
+    stand_in_cpu: float = 0.0  # seconds of the stand-in upstream, when asked for
+    client_cpu: float = 0.0  # seconds of this process, the client
 
-    def cpu_ms_per_call(self) -> float:
-        return self.cpu / len(self.latencies) * 1e3
+    def cpu_ms_per_call(self, seconds: float | None = None) -> float:
+        return (self.cpu if seconds is None else seconds) / len(self.latencies) * 1e3
 
 
 Run = Callable[[int], Awaitable[tuple[list[float], float]]]  # requests -> latencies, wall time
 
 
-async def interleaved(runs: dict[str, tuple[Run, int]], total: int, rounds: int) -> dict[str, Measured]:
+async def interleaved(
+    runs: dict[str, tuple[Run, int]], total: int, rounds: int, stand_in: int | None = None
+) -> dict[str, Measured]:
     """Each run (with the pid of the server it loads) `rounds` times in turn, `total / rounds`
-    requests each; latencies, wall and CPU time summed."""
+    requests each; latencies, wall and CPU time summed (the client's too, and with `stand_in`
+    the stand-in upstream's)."""
     results = {name: Measured() for name in runs}
     per_round = max(1, total // rounds)
     for _ in range(rounds):
         for name, (run, pid) in runs.items():
-            cpu_before = cpu_seconds(pid)
+            cpu_before, client_before = cpu_seconds(pid), time.process_time()
+            stand_in_before = 0.0 if stand_in is None else cpu_seconds(stand_in)
             latencies, wall = await run(per_round)
             measured = results[name]
             measured.latencies += latencies
             measured.wall += wall
             measured.cpu += cpu_seconds(pid) - cpu_before
+            measured.client_cpu += time.process_time() - client_before
+            if stand_in is not None:
+                measured.stand_in_cpu += cpu_seconds(stand_in) - stand_in_before
     return results
 
 
@@ -425,11 +439,13 @@ async def measure(
         fast = chat_calls(0.0)
         for call in fast.values():
             await hammer(session, call, 200, 4)
-        results = await interleaved(runs(fast, 1), settings.latency_requests, settings.rounds)
+        results = await interleaved(runs(fast, 1), settings.latency_requests, settings.rounds, stand_in=stub_pid)
         for name, measured in results.items():
             figures[name].latency_p50_ms = percentile(measured.latencies, 50) * 1e3
             figures[name].latency_p99_ms = percentile(measured.latencies, 99) * 1e3
             figures[name].cpu_ms_per_call = measured.cpu_ms_per_call()
+            figures[name].stand_in_cpu_ms_per_call = measured.cpu_ms_per_call(measured.stand_in_cpu)
+            figures[name].client_cpu_ms_per_call = measured.cpu_ms_per_call(measured.client_cpu)
 
         # 5. the translated APIs, Rollover only (at c=1, fast upstream, like figure 1)
         rollover = next(g for g in gateways if g.name == "rollover")
@@ -574,6 +590,8 @@ def format_report(report: Report) -> str:
     row("latency p50 ms, c=1, fast upstream", [_fmt(p[n].latency_p50_ms, ".2f") for n in names], "")
     row("latency p99 ms, c=1, fast upstream", [_fmt(p[n].latency_p99_ms, ".2f") for n in names], "")
     row("server CPU ms per call, c=1", [_fmt(p[n].cpu_ms_per_call, ".2f") for n in names], "")
+    row("  stand-in's CPU ms per call", [_fmt(p[n].stand_in_cpu_ms_per_call, ".2f") for n in names], "")
+    row("  client's CPU ms per call", [_fmt(p[n].client_cpu_ms_per_call, ".2f") for n in names], "")
     row(
         "added latency p50 ms, c=1",
         [""] + [_fmt(report.added_latency_ms(n), "+.2f") for n in gateways],

@@ -120,6 +120,11 @@ def test_gateway_overhead_smoke():
     recording = report.paths["floor+record"]  # the relay that commits each call before answering
     assert recording.latency_p50_ms > 0 and report.throughput_ratio("floor+record") > 0
     assert "above the floor" in gateway_overhead.format_report(report)
+    # What each path costs the stand-in and the client (the gateway's neighbours) is measured.
+    for path in report.paths.values():
+        assert path.stand_in_cpu_ms_per_call is not None and path.stand_in_cpu_ms_per_call >= 0
+        assert path.client_cpu_ms_per_call is not None and path.client_cpu_ms_per_call > 0
+    assert "stand-in's CPU ms per call" in gateway_overhead.format_report(report)
     # The translated APIs, each against the stand-in serving it natively.
     assert set(report.apis) == set(gateway_overhead.APIS)
     assert all(direct > 0 and through > 0 for direct, through in report.apis.values())
