@@ -11,7 +11,14 @@ import sqlite3
 
 import pytest
 
-from benchmarks import async_vs_sync, drain_latency, gateway_overhead, gateway_stages, simulate_vs_measured
+from benchmarks import (
+    async_vs_sync,
+    drain_latency,
+    gateway_overhead,
+    gateway_stages,
+    simulate_vs_measured,
+    stream_translation,
+)
 
 
 @pytest.mark.vllm
@@ -247,3 +254,27 @@ def test_image_store_smoke(capsys):
     assert result["images_stored"] == 1
     assert result["store_growth_bytes"] < 2 * result["one_image_plus_text_bytes"]
     assert result["ratio_inline_to_stored"] > 3
+
+
+def test_stream_translation_smoke():
+    costs = stream_translation.measure(short=2, long=6, rounds=2, repeat=1)
+    assert set(costs) == set(stream_translation.ROUTES)
+    assert all(cost.per_token_us == cost.per_token_us for cost in costs.values())  # measured, not NaN
+    assert "us a token" in stream_translation.format_costs(costs)
+    # What is timed is the translation: each of the engine's tokens becomes one event of the API.
+    stream = stream_translation.engine_stream(5)
+    for route, delta in (
+        ("anthropic messages", b"event: content_block_delta"),
+        ("responses", b"event: response.output_text.delta"),
+    ):
+        make = stream_translation.ROUTES[route]
+        assert make is not None
+        events = make()
+        assembler = stream_translation.StreamAssembler("chat/completions", None, events.chunk)
+        out = b""
+        for piece in stream:
+            assembler.feed(piece)
+            out += events.take()
+        out += events.end(assembler.response())
+        assert out.count(delta) == 5, (route, out)
+    assert stream_translation.relay(stream, None) == sum(map(len, stream))  # chat: the bytes as sent
