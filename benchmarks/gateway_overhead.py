@@ -23,7 +23,10 @@ Agent Lightning, again...) so a change in machine load hits all of them alike.
 With `--floor` it also measures `relay_floor.py`, a relay that only relays (figures 1 and 2):
 what a process and two loopback hops on the path cost here before any gateway work; and the
 same relay committing each call to a SQLite file before answering (`floor+record`): the least
-a gateway that records every call durably can add.
+a gateway that records every call durably can add; and the same relay doing the gateway chat
+route's per-call work with Rollover's functions (`floor+proxy`: key, checks, engine request,
+tokens, the record in the gateway's schema): what a proxy path written straight on the HTTP
+parser could cost.
 
 Usage: python benchmarks/gateway_overhead.py [--agl-python /work/cache/agl-venv/bin/python] [--floor]
        [--engine runs/_cache/calc/tiny-warm600-prose60]
@@ -159,6 +162,7 @@ class Gateway:
     agent_headers: Callable[[str], dict[str, str]]
     model_body: list[dict[str, Any]]
     relay_only: bool = False  # the floor: it relays model calls and has no rollout API
+    proxy_paths: bool = False  # a floor that answers the attempts' proxy paths (Rollover's rollouts)
 
 
 def start_stub(stack: ExitStack) -> tuple[str, int]:
@@ -181,7 +185,7 @@ def start_rollover(stack: ExitStack, upstream: str, folder: str) -> Gateway:
         url=gateway.url,
         pid=gateway.process.pid,
         admin_headers={"Authorization": f"Bearer {KEY}"},
-        agent_headers=lambda rid: {"Authorization": f"Bearer {scoped_key(KEY, rid, ATTEMPT)}"},
+        agent_headers=_agent_key,
         model_body=[{"model": MODEL, "endpoint": upstream}],
     )
 
@@ -215,11 +219,16 @@ def start_baseline(stack: ExitStack, root: str, upstream: str, folder: str) -> G
     )
 
 
-def start_floor(stack: ExitStack, upstream: str, record: str | None = None) -> Gateway:
+def start_floor(stack: ExitStack, upstream: str, record: str | None = None, proxy_work: bool = False) -> Gateway:
     """`relay_floor.py`: the relay that does nothing but relay (what any gateway pays first);
-    with `record` (a SQLite file), one that also commits each call before answering it."""
+    with `record` (a SQLite file), one that also commits each call before answering it; with
+    `proxy_work` too, one that does the gateway's per-call work on the chat route (it answers
+    the attempts' proxy paths, with their keys)."""
     port = free_port()
     flags = [] if record is None else ["--record", record]
+    if proxy_work:
+        assert record is not None, "the per-call work records the call"
+        flags += ["--proxy-work", KEY]
     process = subprocess.Popen(
         [
             sys.executable,
@@ -236,9 +245,15 @@ def start_floor(stack: ExitStack, upstream: str, record: str | None = None) -> G
     stack.callback(kill_group, process)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process=process)
+    if proxy_work:
+        return Gateway("floor+proxy", url, process.pid, {}, _agent_key, [], relay_only=True, proxy_paths=True)
     return Gateway(
         "floor" if record is None else "floor+record", url, process.pid, {}, lambda rid: {}, [], relay_only=True
     )
+
+
+def _agent_key(rollout_id: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {scoped_key(KEY, rollout_id, ATTEMPT)}"}
 
 
 def start_agent_lightning(stack: ExitStack, python: str, upstream: str, folder: str) -> Gateway:
@@ -420,10 +435,10 @@ async def measure(
             direct = (f"{upstream}/chat/completions", body, json_headers({}))
             calls: dict[str, Call] = {"direct": cycling([direct])}
             for gateway in gateways:
-                if gateway.relay_only:
+                if gateway.relay_only and not gateway.proxy_paths:
                     calls[gateway.name] = cycling([(f"{gateway.url}/relay", body, json_headers({}))])
                     continue
-                ids = agents[gateway.name]
+                ids = agents["rollover" if gateway.proxy_paths else gateway.name]
                 calls[gateway.name] = attempt_calls(gateway, ids, "train", "openai/v1/chat/completions", body)
             return calls
 
@@ -557,6 +572,7 @@ def run_benchmark(settings: Settings) -> Report:
         if settings.floor:
             gateways.append(start_floor(stack, upstream))
             gateways.append(start_floor(stack, upstream, f"{folder}/floor.db"))
+            gateways.append(start_floor(stack, upstream, f"{folder}/floor-proxy.db", proxy_work=True))
         if settings.baseline_root:
             gateways.append(start_baseline(stack, settings.baseline_root, upstream, folder))
         if settings.agl_python:

@@ -11,7 +11,18 @@ With `--record FILE` each answer is first committed to a SQLite file (WAL, synch
 as the gateway's store) as one row holding the request and the answer, and only then written
 back: the least durable recording adds to a relay (`floor+record` in the benchmark's table).
 
-Usage: python benchmarks/relay_floor.py --port 8100 --upstream http://127.0.0.1:8000/v1 [--record FILE]
+With `--proxy-work ADMIN_KEY` as well it does, with Rollover's own functions, the per-call work
+of the gateway's chat route at concurrency 1 (`floor+proxy`): the attempt's scoped key checked
+from the proxy path, the body parsed and its fields checked, the engine's request prepared (mode,
+token ids, logprobs, its call id), the answer parsed, its tokens extracted and the call recorded
+as the gateway records it (a `model_request` event and its `calls` row, in the gateway's schema)
+before the answer goes back with its call id. What it leaves out: the pause admission, policies
+and retries, images, partial rollout, streams, the rollout's state check, group commit, the
+body and connection limits. It is what a proxy path written straight on the HTTP parser, with no
+ASGI server, framework or per-request task, could cost.
+
+Usage: python benchmarks/relay_floor.py --port 8100 --upstream http://127.0.0.1:8000/v1
+           [--record FILE [--proxy-work ADMIN_KEY]]
 """
 
 from __future__ import annotations
@@ -20,12 +31,23 @@ import argparse
 import asyncio
 import signal
 import sqlite3
+import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
 import uvloop
+
+from rollover import codec
+from rollover.config import GatewaySettings
+from rollover.gateway.calls import CALL_ID_HEADER, new_call_id
+from rollover.gateway.keys import is_attempt_key
+from rollover.gateway.proxy import extract_tokens, prepare_request
+from rollover.gateway.sampling import check_request
+from rollover.store.file import SCHEMA, connect
 
 
 class Recorder:
@@ -40,6 +62,79 @@ class Recorder:
     def commit(self, request: bytes, answer: bytes) -> None:
         self.conn.execute("BEGIN IMMEDIATE")
         self.conn.execute("INSERT INTO calls (request, answer) VALUES (?, ?)", (request, answer))
+        self.conn.execute("COMMIT")
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """A call sent on, waiting for its answer."""
+
+    rollout_id: str
+    attempt_id: str
+    mode: str
+    request: dict[str, Any]
+    call_id: str
+    started: float
+
+
+class ProxyWork:
+    """The gateway chat route's per-call work (see the module), done in the parser's callbacks."""
+
+    ENDPOINT = "chat/completions"
+    SERVED = "policy"  # the model name the engine serves (the gateway's registered model)
+
+    def __init__(self, path: str, admin_key: str) -> None:
+        self.admin_key = admin_key
+        self.settings = GatewaySettings.from_config(store=":memory:", admin_key=admin_key)
+        self.conn = connect(path, "NORMAL")
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.executescript(SCHEMA)
+        self.next_event_id = 1
+
+    def ask(self, url: bytes, authorization: bytes | None, body: bytes) -> tuple[_Asked, bytes] | None:
+        """The call and the engine's request, or None when the key does not open the attempt."""
+        # /proxy/rollout/{rid}/attempt/{aid}/mode/{mode}/openai/v1/chat/completions
+        parts = url.decode().split("/")
+        rollout_id, attempt_id, mode = parts[3], parts[5], parts[7]
+        scheme, _, key = (authorization or b"").decode().partition(" ")
+        if scheme.lower() != "bearer" or not is_attempt_key(self.admin_key, key, rollout_id, attempt_id):
+            return None
+        request = codec.loads(body)
+        check_request(request, self.ENDPOINT, mode, self.settings.max_n)
+        call_id = new_call_id()
+        upstream = prepare_request(request, self.ENDPOINT, mode, self.SERVED, self.settings)
+        upstream["request_id"] = call_id
+        asked = _Asked(rollout_id, attempt_id, mode, request, call_id, time.monotonic())
+        return asked, codec.dumps(upstream)
+
+    def answered(self, asked: _Asked, status: int, raw: bytes) -> None:
+        """The call recorded as the gateway records it, committed."""
+        data = codec.loads(raw)
+        record = {
+            "mode": asked.mode,
+            "endpoint": self.ENDPOINT,
+            "model": self.SERVED,
+            "upstream": "upstream",
+            "request": asked.request,
+            "response": data,
+            "policy_version": 0,
+            "latency_s": time.monotonic() - asked.started,
+            "status_code": status,
+            "call_id": asked.call_id,
+        }
+        record.update(extract_tokens(self.ENDPOINT, data))
+        event_id, self.next_event_id = self.next_event_id, self.next_event_id + 1
+        where = (asked.rollout_id, asked.attempt_id)
+        self.conn.execute("BEGIN IMMEDIATE")
+        self.conn.execute(
+            "INSERT INTO events (event_id, rollout_id, attempt_id, event_type, data, created_at)"
+            " VALUES (?, ?, ?, 'model_request', ?, ?)",
+            (event_id, *where, codec.dumps_str(record), time.time()),
+        )
+        self.conn.execute(
+            "INSERT INTO calls (call_id, rollout_id, attempt_id, event_id) VALUES (?, ?, ?, ?)",
+            (asked.call_id, *where, event_id),
+        )
         self.conn.execute("COMMIT")
 
 
@@ -64,11 +159,19 @@ class _Upstream(asyncio.Protocol):
     def on_message_complete(self) -> None:
         body = b"".join(self.body)
         self.body.clear()
+        status, headers = self.parser.get_status_code(), b""
         if self.recorded is not None:
-            self.recorded.recorder.commit(self.recorded.asked.popleft(), body)
+            asked = self.recorded.asked.popleft()
+            if isinstance(self.recorded.recorder, ProxyWork):
+                assert isinstance(asked, _Asked)
+                self.recorded.recorder.answered(asked, status, body)
+                headers = b"%s: %s\r\n" % (CALL_ID_HEADER.encode(), asked.call_id.encode())
+            else:
+                assert isinstance(asked, bytes)
+                self.recorded.recorder.commit(asked, body)
         self.answer.write(
-            b"HTTP/1.1 %d OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-            % (self.parser.get_status_code(), len(body), body)
+            b"HTTP/1.1 %d OK\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n%s"
+            % (status, headers, len(body), body)
         )
 
     def on_body(self, body: bytes) -> None:
@@ -81,18 +184,20 @@ class _Upstream(asyncio.Protocol):
 class _Recorded:
     """A client connection's requests waiting for their answers, and where they are recorded."""
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: Recorder | ProxyWork) -> None:
         self.recorder = recorder
-        self.asked: deque[bytes] = deque()
+        self.asked: deque[bytes | _Asked] = deque()
 
 
 class _Relay(asyncio.Protocol):
-    def __init__(self, host: str, port: int, path: bytes, recorder: Recorder | None) -> None:
+    def __init__(self, host: str, port: int, path: bytes, recorder: Recorder | ProxyWork | None) -> None:
         self.host, self.port, self.path = host, port, path
         self.recorded = None if recorder is None else _Recorded(recorder)
         self.parser = httptools.HttpRequestParser(self)
         self.body: list[bytes] = []
-        self.pending: deque[bytes] = deque()
+        self.url = b""
+        self.authorization: bytes | None = None
+        self.pending: deque[tuple[bytes | _Asked, bytes]] = deque()
         self.upstream: _Upstream | None = None
         self.connecting = False
         self.transport: asyncio.Transport | None = None
@@ -116,30 +221,45 @@ class _Relay(asyncio.Protocol):
         )
         self.upstream, self.connecting = upstream, False
         while self.pending:
-            self._send(self.pending.popleft())
+            self._send(*self.pending.popleft())
 
     def data_received(self, data: bytes) -> None:
         self.parser.feed_data(data)
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"authorization":
+            self.authorization = value
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        body = b"".join(self.body)
+        body, url, authorization = b"".join(self.body), self.url, self.authorization
         self.body.clear()
+        self.url, self.authorization = b"", None
+        assert self.transport is not None
         if self.parser.get_method() != b"POST":  # the readiness probe (`wait_healthy`), before any load
-            assert self.transport is not None
             self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
             return
+        asked: bytes | _Asked = body
+        if self.recorded is not None and isinstance(self.recorded.recorder, ProxyWork):
+            found = self.recorded.recorder.ask(url, authorization, body)
+            if found is None:
+                self.transport.write(b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n")
+                return
+            asked, body = found
         if self.upstream is None:
-            self.pending.append(body)
+            self.pending.append((asked, body))
         else:
-            self._send(body)
+            self._send(asked, body)
 
-    def _send(self, body: bytes) -> None:
+    def _send(self, asked: bytes | _Asked, body: bytes) -> None:
         assert self.upstream is not None and self.upstream.transport is not None
         if self.recorded is not None:
-            self.recorded.asked.append(body)
+            self.recorded.asked.append(asked)
         self.upstream.transport.write(
             b"POST %s HTTP/1.1\r\nhost: upstream\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
             % (self.path, len(body), body)
@@ -151,12 +271,14 @@ class _Relay(asyncio.Protocol):
             upstream.transport.close()
 
 
-async def serve(port: int, upstream: str, record: str | None) -> None:
+async def serve(port: int, upstream: str, record: str | None, proxy_work: str | None = None) -> None:
     parts = urlsplit(upstream)
     assert parts.hostname and parts.port, f"--upstream needs a host and a port: {upstream}"
     path = f"{parts.path.rstrip('/')}/chat/completions".encode()
     loop = asyncio.get_running_loop()
-    recorder = None if record is None else Recorder(record)
+    recorder: Recorder | ProxyWork | None = None
+    if record is not None:
+        recorder = Recorder(record) if proxy_work is None else ProxyWork(record, proxy_work)
     server = await loop.create_server(lambda: _Relay(parts.hostname, parts.port, path, recorder), "127.0.0.1", port)
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -169,8 +291,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="the upstream's OpenAI base URL (…/v1)")
     parser.add_argument("--record", help="commit each call to this SQLite file before answering")
+    parser.add_argument("--proxy-work", metavar="ADMIN_KEY", help="do the gateway's per-call work (with --record)")
     args = parser.parse_args()
-    uvloop.run(serve(args.port, args.upstream, args.record))
+    if args.proxy_work is not None and args.record is None:
+        parser.error("--proxy-work records into the --record file: give both")
+    uvloop.run(serve(args.port, args.upstream, args.record, args.proxy_work))
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ Nothing here asserts a timing threshold; the figures themselves are in benchmark
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import sqlite3
+from contextlib import ExitStack
 
 import pytest
 
@@ -126,6 +128,8 @@ def test_gateway_overhead_smoke():
     assert floor.latency_p50_ms > 0 and report.throughput_ratio("floor") > 0 and floor.rollouts_per_s is None
     recording = report.paths["floor+record"]  # the relay that commits each call before answering
     assert recording.latency_p50_ms > 0 and report.throughput_ratio("floor+record") > 0
+    lean = report.paths["floor+proxy"]  # the relay doing the chat route's per-call work
+    assert lean.latency_p50_ms > 0 and report.throughput_ratio("floor+proxy") > 0
     assert "above the floor" in gateway_overhead.format_report(report)
     # What each path costs the stand-in and the client (the gateway's neighbours) is measured.
     for path in report.paths.values():
@@ -156,6 +160,45 @@ def test_relay_floor_records_each_call_before_answering(tmp_path):
     recorder.commit(b'{"q": 1}', b'{"a": 2}')
     rows = sqlite3.connect(tmp_path / "floor.db").execute("SELECT request, answer FROM calls").fetchall()
     assert rows == [(b'{"q": 1}', b'{"a": 2}')]
+
+
+def test_relay_floor_does_the_proxy_work_and_records_as_the_gateway(tmp_path):
+    """`relay_floor --record --proxy-work`: the attempt's key is checked, the engine is asked for
+    token ids and logprobs under the call's id, and the call is recorded in the gateway's schema
+    (its event and its calls row) before the answer goes back with that id."""
+    import httpx
+
+    from rollover.gateway.calls import CALL_ID_HEADER
+    from rollover.gateway.keys import scoped_key
+    from rollover.store.sqlite import RolloutStore
+
+    key, store = gateway_overhead.KEY, tmp_path / "floor-proxy.db"
+    with ExitStack() as stack:
+        upstream, _ = gateway_overhead.start_stub(stack)
+        relay = gateway_overhead.start_floor(stack, upstream, str(store), proxy_work=True)
+        url = f"{relay.url}/proxy/rollout/r1/attempt/a1/mode/train/openai/v1/chat/completions"
+        good = {"Authorization": f"Bearer {scoped_key(key, 'r1', 'a1')}"}
+        other = {"Authorization": f"Bearer {scoped_key(key, 'r1', 'a2')}"}  # another attempt's key
+        assert httpx.post(url, json=gateway_overhead.CHAT, headers=other).status_code == 401
+        answer = httpx.post(url, json=gateway_overhead.CHAT, headers=good)
+    assert answer.status_code == 200
+    call_id = answer.headers[CALL_ID_HEADER]
+    conn = sqlite3.connect(store)
+    [(event_id, event_type, data)] = conn.execute("SELECT event_id, event_type, data FROM events").fetchall()
+    assert event_type == "model_request"
+    assert conn.execute("SELECT call_id, rollout_id, attempt_id, event_id FROM calls").fetchall() == [
+        (call_id, "r1", "a1", event_id)
+    ]
+    record = json.loads(data)
+    assert record["call_id"] == call_id and record["response"] == answer.json()
+    assert record["prompt_token_ids"] and record["response_token_ids"] and record["response_logprobs"]
+    assert len(record["response_logprobs"]) == len(record["response_token_ids"])  # train mode asked for them
+    conn.close()
+    owner = RolloutStore(store)  # the gateway's own store finds the call where a reward names it
+    try:
+        assert asyncio.run(owner.call_owner(call_id)) == ("r1", "a1")
+    finally:
+        owner.close()
 
 
 @pytest.mark.slow
