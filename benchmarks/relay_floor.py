@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import httptools
@@ -48,6 +48,16 @@ from rollover.gateway.keys import is_attempt_key
 from rollover.gateway.proxy import extract_tokens, prepare_request
 from rollover.gateway.sampling import check_request
 from rollover.store.file import SCHEMA, connect
+
+
+class Recording(Protocol):
+    """What a relay that records does with each call: `ask` turns the agent's request into what
+    it holds for the answer and the body it sends on (None: refused, 401); `answered` records
+    the call and returns the headers the answer gets besides."""
+
+    def ask(self, url: bytes, authorization: bytes | None, body: bytes) -> tuple[Any, bytes] | None: ...
+
+    def answered(self, asked: Any, status: int, raw: bytes) -> bytes: ...
 
 
 class Recorder:
@@ -63,6 +73,13 @@ class Recorder:
         self.conn.execute("BEGIN IMMEDIATE")
         self.conn.execute("INSERT INTO calls (request, answer) VALUES (?, ?)", (request, answer))
         self.conn.execute("COMMIT")
+
+    def ask(self, url: bytes, authorization: bytes | None, body: bytes) -> tuple[bytes, bytes]:
+        return body, body  # the request as sent, kept for its row
+
+    def answered(self, asked: bytes, status: int, raw: bytes) -> bytes:
+        self.commit(asked, raw)
+        return b""
 
 
 @dataclass(frozen=True)
@@ -107,8 +124,8 @@ class ProxyWork:
         asked = _Asked(rollout_id, attempt_id, mode, request, call_id, time.monotonic())
         return asked, codec.dumps(upstream)
 
-    def answered(self, asked: _Asked, status: int, raw: bytes) -> None:
-        """The call recorded as the gateway records it, committed."""
+    def answered(self, asked: _Asked, status: int, raw: bytes) -> bytes:
+        """The call recorded as the gateway records it, committed; its call id's header."""
         data = codec.loads(raw)
         record = {
             "mode": asked.mode,
@@ -136,6 +153,7 @@ class ProxyWork:
             (asked.call_id, *where, event_id),
         )
         self.conn.execute("COMMIT")
+        return b"%s: %s\r\n" % (CALL_ID_HEADER.encode(), asked.call_id.encode())
 
 
 class _Upstream(asyncio.Protocol):
@@ -161,14 +179,7 @@ class _Upstream(asyncio.Protocol):
         self.body.clear()
         status, headers = self.parser.get_status_code(), b""
         if self.recorded is not None:
-            asked = self.recorded.asked.popleft()
-            if isinstance(self.recorded.recorder, ProxyWork):
-                assert isinstance(asked, _Asked)
-                self.recorded.recorder.answered(asked, status, body)
-                headers = b"%s: %s\r\n" % (CALL_ID_HEADER.encode(), asked.call_id.encode())
-            else:
-                assert isinstance(asked, bytes)
-                self.recorded.recorder.commit(asked, body)
+            headers = self.recorded.recorder.answered(self.recorded.asked.popleft(), status, body)
         self.answer.write(
             b"HTTP/1.1 %d OK\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n%s"
             % (status, headers, len(body), body)
@@ -184,20 +195,20 @@ class _Upstream(asyncio.Protocol):
 class _Recorded:
     """A client connection's requests waiting for their answers, and where they are recorded."""
 
-    def __init__(self, recorder: Recorder | ProxyWork) -> None:
+    def __init__(self, recorder: Recording) -> None:
         self.recorder = recorder
-        self.asked: deque[bytes | _Asked] = deque()
+        self.asked: deque[Any] = deque()  # what `recorder.ask` kept of each
 
 
 class _Relay(asyncio.Protocol):
-    def __init__(self, host: str, port: int, path: bytes, recorder: Recorder | ProxyWork | None) -> None:
+    def __init__(self, host: str, port: int, path: bytes, recorder: Recording | None) -> None:
         self.host, self.port, self.path = host, port, path
         self.recorded = None if recorder is None else _Recorded(recorder)
         self.parser = httptools.HttpRequestParser(self)
         self.body: list[bytes] = []
         self.url = b""
         self.authorization: bytes | None = None
-        self.pending: deque[tuple[bytes | _Asked, bytes]] = deque()
+        self.pending: deque[tuple[Any, bytes]] = deque()  # (what the recorder kept, body to send)
         self.upstream: _Upstream | None = None
         self.connecting = False
         self.transport: asyncio.Transport | None = None
@@ -244,8 +255,8 @@ class _Relay(asyncio.Protocol):
         if self.parser.get_method() != b"POST":  # the readiness probe (`wait_healthy`), before any load
             self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
             return
-        asked: bytes | _Asked = body
-        if self.recorded is not None and isinstance(self.recorded.recorder, ProxyWork):
+        asked: Any = None
+        if self.recorded is not None:
             found = self.recorded.recorder.ask(url, authorization, body)
             if found is None:
                 self.transport.write(b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n")
@@ -256,7 +267,7 @@ class _Relay(asyncio.Protocol):
         else:
             self._send(asked, body)
 
-    def _send(self, asked: bytes | _Asked, body: bytes) -> None:
+    def _send(self, asked: Any, body: bytes) -> None:
         assert self.upstream is not None and self.upstream.transport is not None
         if self.recorded is not None:
             self.recorded.asked.append(asked)
@@ -276,7 +287,7 @@ async def serve(port: int, upstream: str, record: str | None, proxy_work: str | 
     assert parts.hostname and parts.port, f"--upstream needs a host and a port: {upstream}"
     path = f"{parts.path.rstrip('/')}/chat/completions".encode()
     loop = asyncio.get_running_loop()
-    recorder: Recorder | ProxyWork | None = None
+    recorder: Recording | None = None
     if record is not None:
         recorder = Recorder(record) if proxy_work is None else ProxyWork(record, proxy_work)
     server = await loop.create_server(lambda: _Relay(parts.hostname, parts.port, path, recorder), "127.0.0.1", port)

@@ -67,19 +67,19 @@ ROUTES: dict[str, Callable[[], StreamTranslator] | None] = {
 }
 
 
-def relay(stream: list[bytes], translator: Callable[[], StreamTranslator] | None) -> int:
+def relay(stream: list[bytes], translator: Callable[[], StreamTranslator] | None) -> bytes:
     """One streamed call's gateway work: every chunk fed to the assembler (and the translator),
-    the events taken as the relay takes them, the answer put together. Bytes written out."""
+    the events taken as the relay takes them, the answer put together. What goes to the agent."""
     events = None if translator is None else translator()
     assembler = StreamAssembler("chat/completions", None, None if events is None else events.chunk)
-    written = 0
+    written: list[bytes] = []
     for piece in stream:
         assembler.feed(piece)
-        written += len(piece) if events is None else len(events.take())
+        written.append(piece if events is None else events.take())
     answer = assembler.response()
     if events is not None:
-        written += len(events.end(answer))
-    return written
+        written.append(events.end(answer))
+    return b"".join(written)
 
 
 @dataclass(frozen=True)
