@@ -292,7 +292,7 @@ class VLLMServer:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gb)
             # OpenMP threads that sleep at a barrier rather than spin: the engine shares the
             # cores with the trainer and the agents, and a thread spinning while its partner
-            # waits for a core stalls every op (32 SmolLM2 tokens: 18-36 s spinning, 3-4 s
+            # waits for a core stalls every op (32 SmolLM2 tokens: 18-36 s spinning, 4-4.5 s
             # passive, 2 cores at load 3-6). vLLM's own cut to one thread is skipped on CPU.
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if self.worker_in_engine_core:
