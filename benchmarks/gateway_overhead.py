@@ -26,7 +26,8 @@ same relay committing each call to a SQLite file before answering (`floor+record
 a gateway that records every call durably can add; and the same relay doing the gateway chat
 route's per-call work with Rollover's functions (`floor+proxy`: key, checks, engine request,
 tokens, the record in the gateway's schema): what a proxy path written straight on the HTTP
-parser could cost.
+parser could cost; and that work as a bare ASGI app under uvicorn with the gateway's protocol
+and engine client (`floor+asgi`): what uvicorn and a task per request add to it.
 
 Usage: python benchmarks/gateway_overhead.py [--agl-python /work/cache/agl-venv/bin/python] [--floor]
        [--engine runs/_cache/calc/tiny-warm600-prose60]
@@ -219,7 +220,9 @@ def start_baseline(stack: ExitStack, root: str, upstream: str, folder: str) -> G
     )
 
 
-def start_floor(stack: ExitStack, upstream: str, record: str | None = None, proxy_work: bool = False) -> Gateway:
+def start_floor(
+    stack: ExitStack, upstream: str, record: str | None = None, proxy_work: bool = False, asgi: bool = False
+) -> Gateway:
     """`relay_floor.py`: the relay that does nothing but relay (what any gateway pays first);
     with `record` (a SQLite file), one that also commits each call before answering it; with
     `proxy_work` too, one that does the gateway's per-call work on the chat route (it answers
@@ -228,7 +231,7 @@ def start_floor(stack: ExitStack, upstream: str, record: str | None = None, prox
     flags = [] if record is None else ["--record", record]
     if proxy_work:
         assert record is not None, "the per-call work records the call"
-        flags += ["--proxy-work", KEY]
+        flags += ["--proxy-work", KEY, *(["--asgi"] if asgi else [])]
     process = subprocess.Popen(
         [
             sys.executable,
@@ -246,7 +249,8 @@ def start_floor(stack: ExitStack, upstream: str, record: str | None = None, prox
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process=process)
     if proxy_work:
-        return Gateway("floor+proxy", url, process.pid, {}, _agent_key, [], relay_only=True, proxy_paths=True)
+        name = "floor+asgi" if asgi else "floor+proxy"
+        return Gateway(name, url, process.pid, {}, _agent_key, [], relay_only=True, proxy_paths=True)
     return Gateway(
         "floor" if record is None else "floor+record", url, process.pid, {}, lambda rid: {}, [], relay_only=True
     )
@@ -573,6 +577,7 @@ def run_benchmark(settings: Settings) -> Report:
             gateways.append(start_floor(stack, upstream))
             gateways.append(start_floor(stack, upstream, f"{folder}/floor.db"))
             gateways.append(start_floor(stack, upstream, f"{folder}/floor-proxy.db", proxy_work=True))
+            gateways.append(start_floor(stack, upstream, f"{folder}/floor-asgi.db", proxy_work=True, asgi=True))
         if settings.baseline_root:
             gateways.append(start_baseline(stack, settings.baseline_root, upstream, folder))
         if settings.agl_python:

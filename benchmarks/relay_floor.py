@@ -21,8 +21,12 @@ and retries, images, partial rollout, streams, the rollout's state check, group 
 body and connection limits. It is what a proxy path written straight on the HTTP parser, with no
 ASGI server, framework or per-request task, could cost.
 
+With `--asgi` too the same work is a bare ASGI app under uvicorn, with the gateway's HTTP
+protocol (`bounded_protocol`) and its client to the engine (`UpstreamPool`), and no framework
+(`floor+asgi`): what uvicorn and a task per request cost before Rollover's app does anything.
+
 Usage: python benchmarks/relay_floor.py --port 8100 --upstream http://127.0.0.1:8000/v1
-           [--record FILE [--proxy-work ADMIN_KEY]]
+           [--record FILE [--proxy-work ADMIN_KEY [--asgi]]]
 """
 
 from __future__ import annotations
@@ -39,14 +43,17 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import httptools
+import uvicorn
 import uvloop
 
 from rollover import codec
 from rollover.config import GatewaySettings
 from rollover.gateway.calls import CALL_ID_HEADER, new_call_id
+from rollover.gateway.connections import bounded_protocol
 from rollover.gateway.keys import is_attempt_key
 from rollover.gateway.proxy import extract_tokens, prepare_request
 from rollover.gateway.sampling import check_request
+from rollover.gateway.upstream import UpstreamPool
 from rollover.store.file import SCHEMA, connect
 
 
@@ -282,6 +289,63 @@ class _Relay(asyncio.Protocol):
             upstream.transport.close()
 
 
+class AsgiProxyWork:
+    """`ProxyWork` as a bare ASGI app under uvicorn with the gateway's protocol, calling the
+    engine with the gateway's own client (`--asgi`): what the same per-call work costs with
+    uvicorn and a per-request task in place of the parser's callbacks, and no framework."""
+
+    def __init__(self, work: ProxyWork, upstream: str) -> None:
+        self.work = work
+        self.url = f"{upstream.rstrip('/')}/chat/completions"
+        self.pool = UpstreamPool(60.0)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["method"] != "POST":  # the readiness probe
+            await self._answer(send, 200, b"{}", [])
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        found = self.work.ask(scope["path"].encode(), authorization, b"".join(chunks))
+        if found is None:
+            await self._answer(send, 401, b"", [])
+            return
+        asked, body = found
+        response = await self.pool.post(self.url, body)
+        raw = await response.read()
+        status = response.status
+        response.release()
+        header = self.work.answered(asked, status, raw)
+        name, _, value = header.strip().partition(b": ")
+        await self._answer(send, status, raw, [(name, value)])
+
+    @staticmethod
+    async def _answer(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def serve_asgi(port: int, upstream: str, record: str, admin_key: str) -> None:
+    app = AsgiProxyWork(ProxyWork(record, admin_key), upstream)
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+        proxy_headers=False,
+        lifespan="off",
+        http=bounded_protocol(512, 10.0),
+    )
+    await uvicorn.Server(config).serve()
+
+
 async def serve(port: int, upstream: str, record: str | None, proxy_work: str | None = None) -> None:
     parts = urlsplit(upstream)
     assert parts.hostname and parts.port, f"--upstream needs a host and a port: {upstream}"
@@ -303,10 +367,16 @@ def main() -> None:
     parser.add_argument("--upstream", required=True, help="the upstream's OpenAI base URL (…/v1)")
     parser.add_argument("--record", help="commit each call to this SQLite file before answering")
     parser.add_argument("--proxy-work", metavar="ADMIN_KEY", help="do the gateway's per-call work (with --record)")
+    parser.add_argument("--asgi", action="store_true", help="the per-call work as an ASGI app under uvicorn")
     args = parser.parse_args()
     if args.proxy_work is not None and args.record is None:
         parser.error("--proxy-work records into the --record file: give both")
-    uvloop.run(serve(args.port, args.upstream, args.record, args.proxy_work))
+    if args.asgi:
+        if args.proxy_work is None:
+            parser.error("--asgi serves the per-call work: give --record and --proxy-work")
+        uvloop.run(serve_asgi(args.port, args.upstream, args.record, args.proxy_work))
+    else:
+        uvloop.run(serve(args.port, args.upstream, args.record, args.proxy_work))
 
 
 if __name__ == "__main__":

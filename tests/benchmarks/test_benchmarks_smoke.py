@@ -162,10 +162,12 @@ def test_relay_floor_records_each_call_before_answering(tmp_path):
     assert rows == [(b'{"q": 1}', b'{"a": 2}')]
 
 
-def test_relay_floor_does_the_proxy_work_and_records_as_the_gateway(tmp_path):
-    """`relay_floor --record --proxy-work`: the attempt's key is checked, the engine is asked for
-    token ids and logprobs under the call's id, and the call is recorded in the gateway's schema
-    (its event and its calls row) before the answer goes back with that id."""
+@pytest.mark.parametrize("asgi", [False, True], ids=["parser", "asgi"])
+def test_relay_floor_does_the_proxy_work_and_records_as_the_gateway(tmp_path, asgi):
+    """`relay_floor --record --proxy-work [--asgi]`: the attempt's key is checked, the engine is
+    asked for token ids and logprobs under the call's id, and the call is recorded in the
+    gateway's schema (its event and its calls row) before the answer goes back with that id,
+    on the parser's callbacks and as an ASGI app under uvicorn alike."""
     import httpx
 
     from rollover.gateway.calls import CALL_ID_HEADER
@@ -175,7 +177,8 @@ def test_relay_floor_does_the_proxy_work_and_records_as_the_gateway(tmp_path):
     key, store = gateway_overhead.KEY, tmp_path / "floor-proxy.db"
     with ExitStack() as stack:
         upstream, _ = gateway_overhead.start_stub(stack)
-        relay = gateway_overhead.start_floor(stack, upstream, str(store), proxy_work=True)
+        relay = gateway_overhead.start_floor(stack, upstream, str(store), proxy_work=True, asgi=asgi)
+        assert relay.name == ("floor+asgi" if asgi else "floor+proxy")
         url = f"{relay.url}/proxy/rollout/r1/attempt/a1/mode/train/openai/v1/chat/completions"
         good = {"Authorization": f"Bearer {scoped_key(key, 'r1', 'a1')}"}
         other = {"Authorization": f"Bearer {scoped_key(key, 'r1', 'a2')}"}  # another attempt's key

@@ -21,10 +21,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollover.gateway.apis.common import (
+    SLOT,
     ApiError,
     ApiName,
     ChatAnswer,
     EventBuffer,
+    EventTemplate,
     arguments_object,
     function_tool,
     image_part,
@@ -363,6 +365,14 @@ def _usage(prompt_tokens: int, output_tokens: int) -> dict[str, int]:
     }
 
 
+# a block's kind: its deltas' type and the field that holds their text
+_DELTAS: dict[str, tuple[str, str]] = {
+    "thinking": ("thinking_delta", "thinking"),
+    "text": ("text_delta", "text"),
+    "tool": ("input_json_delta", "partial_json"),
+}
+
+
 class AnthropicStream(EventBuffer):
     """The engine's chat chunks as Anthropic's events: `message_start`, per content block
     `content_block_start`, its deltas (`thinking_delta`, `text_delta`, `input_json_delta`) and
@@ -374,6 +384,7 @@ class AnthropicStream(EventBuffer):
         self._started = False
         self._open: tuple[str, int] | None = None  # the open block's kind and tool-call index
         self._index = -1  # the open block's content index
+        self._delta_event: EventTemplate | None = None  # the open block's deltas
         self._prompt_tokens = 0
         self._output_tokens = 0
         self._finish_reason: str | None = None
@@ -392,10 +403,10 @@ class AnthropicStream(EventBuffer):
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             if reasoning:
                 self._block("thinking", 0, {"type": "thinking", "thinking": "", "signature": ""})
-                self._delta({"type": "thinking_delta", "thinking": reasoning})
+                self._delta(reasoning)
             if delta.get("content"):
                 self._block("text", 0, {"type": "text", "text": ""})
-                self._delta({"type": "text_delta", "text": delta["content"]})
+                self._delta(delta["content"])
             for call in delta.get("tool_calls") or ():
                 self._tool_call(call)
             if isinstance(choice.get("token_ids"), list):
@@ -417,7 +428,7 @@ class AnthropicStream(EventBuffer):
             self._block("tool", index, block)
             self._called = True
         if function.get("arguments"):
-            self._delta({"type": "input_json_delta", "partial_json": function["arguments"]})
+            self._delta(function["arguments"])
 
     def _start(self) -> None:
         self._started = True
@@ -442,11 +453,14 @@ class AnthropicStream(EventBuffer):
         self._out.append(
             sse("content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block})
         )
+        delta_type, field = _DELTAS[kind]
+        data = {"type": "content_block_delta", "index": self._index, "delta": {"type": delta_type, field: SLOT}}
+        self._delta_event = EventTemplate("content_block_delta", data)
 
-    def _delta(self, delta: dict[str, Any]) -> None:
-        self._out.append(
-            sse("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
-        )
+    def _delta(self, value: str) -> None:
+        """A delta of the open block (its text, thinking or tool input's JSON)."""
+        assert self._delta_event is not None, "a delta comes after its block's start"
+        self._out.append(self._delta_event.fill(value))
 
     def _close(self) -> None:
         if self._open is not None:

@@ -23,10 +23,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from rollover.gateway.apis.common import (
+    SLOT,
     ApiError,
     ApiName,
     ChatAnswer,
     EventBuffer,
+    EventTemplate,
     function_tool,
     image_part,
     new_id,
@@ -388,9 +390,21 @@ class ResponsesStream(EventBuffer):
         self._open: tuple[str, int] | None = None  # ("text", 0) or ("call", tool-call index)
         self._items: list[dict[str, Any]] = []  # output items so far, the open one last
         self._text: list[str] = []
+        self._delta_event: EventTemplate | None = None  # the open item's deltas
 
     def _emit(self, kind: str, data: dict[str, Any]) -> None:
         self._out.append(sse(kind, {"type": kind, "sequence_number": self._sequence, **data}))
+        self._sequence += 1
+
+    @staticmethod
+    def _template(kind: str, data: dict[str, Any]) -> EventTemplate:
+        """An event `_emit` would write, its sequence number and `SLOT`s in `data` left to fill."""
+        return EventTemplate(kind, {"type": kind, "sequence_number": SLOT, **data})
+
+    def _emit_delta(self, value: str) -> None:
+        """A delta of the open item (its text, or its call's arguments)."""
+        assert self._delta_event is not None, "a delta comes after its item's start"
+        self._out.append(self._delta_event.fill(self._sequence, value))
         self._sequence += 1
 
     def _start(self) -> None:
@@ -425,9 +439,10 @@ class ResponsesStream(EventBuffer):
                 "response.content_part.added",
                 {"item_id": item["id"], "output_index": index, "content_index": 0, "part": part},
             )
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            self._delta_event = self._template("response.output_text.delta", where | {"delta": SLOT, "logprobs": []})
         self._text.append(text)
-        where = {"item_id": self._items[-1]["id"], "output_index": len(self._items) - 1, "content_index": 0}
-        self._emit("response.output_text.delta", where | {"delta": text, "logprobs": []})
+        self._emit_delta(text)
 
     def _call_delta(self, call: dict[str, Any]) -> None:
         function = call.get("function") or {}
@@ -442,13 +457,11 @@ class ResponsesStream(EventBuffer):
             self._items.append(item)
             self._open = ("call", index)
             self._emit("response.output_item.added", {"output_index": output_index, "item": item})
+            where = {"item_id": item["id"], "output_index": output_index, "delta": SLOT}
+            self._delta_event = self._template("response.function_call_arguments.delta", where)
         if function.get("arguments"):
-            item = self._items[-1]
-            item["arguments"] += function["arguments"]
-            self._emit(
-                "response.function_call_arguments.delta",
-                {"item_id": item["id"], "output_index": len(self._items) - 1, "delta": function["arguments"]},
-            )
+            self._items[-1]["arguments"] += function["arguments"]
+            self._emit_delta(function["arguments"])
 
     def _close(self) -> None:
         if self._open is None:
