@@ -178,7 +178,9 @@ def sse(event: str, data: dict[str, Any]) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + codec.dumps(data) + b"\n\n"
 
 
-SLOT = "\x00slot\x00"  # where an `EventTemplate`'s values go (no text a model writes holds it)
+# Where an `EventTemplate`'s values go. Only the template's own data is split on it, so the
+# values filled in may hold anything; its other values (ids, indices, types) are the gateway's.
+SLOT = "\x00slot\x00"
 _SLOT_JSON = codec.dumps(SLOT)
 
 
