@@ -55,16 +55,17 @@ from rollover.gateway.proxy import extract_tokens, prepare_request
 from rollover.gateway.sampling import check_request
 from rollover.gateway.upstream import UpstreamPool
 from rollover.store.file import SCHEMA, connect
+from rollover.store.sqlite import INSERT_CALL, INSERT_EVENT
 
 
 class Recording(Protocol):
     """What a relay that records does with each call: `ask` turns the agent's request into what
     it holds for the answer and the body it sends on (None: refused, 401); `answered` records
-    the call and returns the headers the answer gets besides."""
+    the call and returns the headers (name, value) the answer gets besides."""
 
     def ask(self, url: bytes, authorization: bytes | None, body: bytes) -> tuple[Any, bytes] | None: ...
 
-    def answered(self, asked: Any, status: int, raw: bytes) -> bytes: ...
+    def answered(self, asked: Any, status: int, raw: bytes) -> list[tuple[bytes, bytes]]: ...
 
 
 class Recorder:
@@ -84,9 +85,9 @@ class Recorder:
     def ask(self, url: bytes, authorization: bytes | None, body: bytes) -> tuple[bytes, bytes]:
         return body, body  # the request as sent, kept for its row
 
-    def answered(self, asked: bytes, status: int, raw: bytes) -> bytes:
+    def answered(self, asked: bytes, status: int, raw: bytes) -> list[tuple[bytes, bytes]]:
         self.commit(asked, raw)
-        return b""
+        return []
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class ProxyWork:
         asked = _Asked(rollout_id, attempt_id, mode, request, call_id, time.monotonic())
         return asked, codec.dumps(upstream)
 
-    def answered(self, asked: _Asked, status: int, raw: bytes) -> bytes:
+    def answered(self, asked: _Asked, status: int, raw: bytes) -> list[tuple[bytes, bytes]]:
         """The call recorded as the gateway records it, committed; its call id's header."""
         data = codec.loads(raw)
         record = {
@@ -150,17 +151,10 @@ class ProxyWork:
         event_id, self.next_event_id = self.next_event_id, self.next_event_id + 1
         where = (asked.rollout_id, asked.attempt_id)
         self.conn.execute("BEGIN IMMEDIATE")
-        self.conn.execute(
-            "INSERT INTO events (event_id, rollout_id, attempt_id, event_type, data, created_at)"
-            " VALUES (?, ?, ?, 'model_request', ?, ?)",
-            (event_id, *where, codec.dumps_str(record), time.time()),
-        )
-        self.conn.execute(
-            "INSERT INTO calls (call_id, rollout_id, attempt_id, event_id) VALUES (?, ?, ?, ?)",
-            (asked.call_id, *where, event_id),
-        )
+        self.conn.execute(INSERT_EVENT, (event_id, *where, "model_request", codec.dumps_str(record), time.time()))
+        self.conn.execute(INSERT_CALL, (asked.call_id, *where, event_id))
         self.conn.execute("COMMIT")
-        return b"%s: %s\r\n" % (CALL_ID_HEADER.encode(), asked.call_id.encode())
+        return [(CALL_ID_HEADER.encode(), asked.call_id.encode())]
 
 
 class _Upstream(asyncio.Protocol):
@@ -186,7 +180,8 @@ class _Upstream(asyncio.Protocol):
         self.body.clear()
         status, headers = self.parser.get_status_code(), b""
         if self.recorded is not None:
-            headers = self.recorded.recorder.answered(self.recorded.asked.popleft(), status, body)
+            answered = self.recorded.recorder.answered(self.recorded.asked.popleft(), status, body)
+            headers = b"".join(b"%s: %s\r\n" % header for header in answered)
         self.answer.write(
             b"HTTP/1.1 %d OK\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n%s"
             % (status, headers, len(body), body)
@@ -320,9 +315,7 @@ class AsgiProxyWork:
         raw = await response.read()
         status = response.status
         response.release()
-        header = self.work.answered(asked, status, raw)
-        name, _, value = header.strip().partition(b": ")
-        await self._answer(send, status, raw, [(name, value)])
+        await self._answer(send, status, raw, self.work.answered(asked, status, raw))
 
     @staticmethod
     async def _answer(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:

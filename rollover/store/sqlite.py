@@ -61,7 +61,8 @@ _INSERT_ROLLOUT = (
     "INSERT INTO rollouts (rollout_id, input, is_train, config, metadata, state, created_at, updated_at)"
     " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
-_INSERT_EVENT = (
+# How a recorded call is written (also by `benchmarks/relay_floor.py`, which records as the gateway).
+INSERT_EVENT = (
     "INSERT INTO events (event_id, rollout_id, attempt_id, event_type, data, created_at) VALUES (?, ?, ?, ?, ?, ?)"
 )
 # The reward events of the rollouts' last attempts that can be their outcome: none of them lies
@@ -85,7 +86,7 @@ _OUTCOME_REWARDS_BEFORE_CALLS = (
     " WHERE e.event_type = 'reward' AND e.rollout_id IN ({ids})"
     " ORDER BY e.event_id"
 )
-_INSERT_CALL = "INSERT OR REPLACE INTO calls (call_id, rollout_id, attempt_id, event_id) VALUES (?, ?, ?, ?)"
+INSERT_CALL = "INSERT OR REPLACE INTO calls (call_id, rollout_id, attempt_id, event_id) VALUES (?, ?, ?, ?)"
 _UPSERT_STATE = (
     "INSERT INTO gateway_state (key, value, updated_at) VALUES (?, ?, ?)"
     " ON CONFLICT(key) DO UPDATE SET value=excluded.value, updated_at=excluded.updated_at"
@@ -419,9 +420,9 @@ class RolloutStore:
             event_id = self._next_event_id
             if images:
                 insert_images(conn, images, now)
-            conn.execute(_INSERT_EVENT, (event_id, rollout_id, attempt_id, event_type, encoded, now))
+            conn.execute(INSERT_EVENT, (event_id, rollout_id, attempt_id, event_type, encoded, now))
             if call_id is not None:  # a recorded call a reward may name
-                conn.execute(_INSERT_CALL, (call_id, rollout_id, attempt_id, event_id))
+                conn.execute(INSERT_CALL, (call_id, rollout_id, attempt_id, event_id))
             self._next_event_id += 1  # after the INSERTs: a refused one takes no id
             return event_id
 

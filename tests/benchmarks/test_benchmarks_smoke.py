@@ -130,6 +130,8 @@ def test_gateway_overhead_smoke():
     assert recording.latency_p50_ms > 0 and report.throughput_ratio("floor+record") > 0
     lean = report.paths["floor+proxy"]  # the relay doing the chat route's per-call work
     assert lean.latency_p50_ms > 0 and report.throughput_ratio("floor+proxy") > 0
+    under_uvicorn = report.paths["floor+asgi"]  # that work as a bare ASGI app under uvicorn
+    assert under_uvicorn.latency_p50_ms > 0 and report.throughput_ratio("floor+asgi") > 0
     assert "above the floor" in gateway_overhead.format_report(report)
     # What each path costs the stand-in and the client (the gateway's neighbours) is measured.
     for path in report.paths.values():
