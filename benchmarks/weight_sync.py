@@ -202,9 +202,17 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=0, help="> 0: also LoRA at this rank, full vs LoRA")
     parser.add_argument("--only", choices=["tiny", "smollm2"], default=None, help="one model only")
     args = parser.parse_args()
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="rollover-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
+    if args.workdir is not None:  # kept, to look at afterwards
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        run(args, args.workdir)
+        print(f"workdir: {args.workdir}")
+        return
+    with tempfile.TemporaryDirectory(prefix="rollover-bench-") as scratch:  # ~1 GB of models and weights
+        run(args, Path(scratch))
 
+
+def run(args: argparse.Namespace, work: Path) -> None:
+    """Both models' rows (and LoRA's beside them) with everything built under `work`."""
     from rollover.modelzoo.tiny import build_tiny_model
 
     rows = {}
@@ -214,7 +222,6 @@ def main() -> None:
         if args.lora_rank > 0:
             compare_lora("tiny", tiny_dir, work, rows["tiny"], args)
     if args.only == "tiny":
-        print(f"workdir: {work}")
         return
     try:
         from rollover.modelzoo.smollm2 import SmolLM2NotInstalled, convert_smollm2
@@ -232,7 +239,6 @@ def main() -> None:
                 f"ratio smollm2/tiny: sync {ratio:.1f}x, "
                 f"params {rows['smollm2']['params_m'] / rows['tiny']['params_m']:.0f}x"
             )
-    print(f"workdir: {work}")
 
 
 if __name__ == "__main__":
