@@ -134,10 +134,11 @@ TEMPLATES: dict[str, Any] = {
 ATTEMPT_PATH = r"/proxy/rollout/[^/]+/attempt/[^/]+/mode/[^/]+"
 
 
-def error_message(path: str, error: Any) -> str:
+def error_message(response: httpx.Response) -> str:
     """The refusal's reason, checked to be in the shape of the API the path serves (a path that
     is no route, such as one with an empty id, gets the router's answer in the gateway's shape).
-    `path` is the one the router sees: percent-decoded, so an id of "%2F" leaves an empty segment."""
+    The path is the one the router sees: percent-decoded, so an id of "%2F" leaves an empty segment."""
+    path, error = response.request.url.path, response.json()
     if re.fullmatch(ATTEMPT_PATH + r"/anthropic/v1/messages(/count_tokens)?", path):
         assert set(error) == {"type", "error"} and error["type"] == "error", error
         assert set(error["error"]) == {"type", "message"}, error
@@ -242,7 +243,7 @@ def test_fuzzed_requests_never_5xx_and_refusals_change_nothing(fuzzed, request, 
     assert response.status_code < 500, (method, path, params, body, response.status_code, response.text)
     if response.status_code >= 400:
         assert response.headers["content-type"].startswith("application/json"), response.text
-        assert error_message(response.request.url.path, response.json())
+        assert error_message(response)
         assert fuzzed.rows() == before, (method, path, body, response.text)
     elif response.status_code < 300 and not response.headers["content-type"].startswith("text/event-stream"):
         response.json()  # 3xx: the router's redirect of a trailing slash
@@ -328,7 +329,7 @@ def test_auth_matrix_on_every_endpoint(fuzzed):
             seen.append((who, method, path, got))
             assert got == expected, (who, method, path, response.status_code, response.text)
             if got != "2xx":
-                assert error_message(response.request.url.path, response.json())
+                assert error_message(response)
                 assert fuzzed.rows() == before, (who, method, path)
     assert httpx.get(f"{fuzzed.gateway.url}/healthz").status_code == 200  # the one endpoint with no key
     assert len(seen) == len(keys) * len(endpoints(""))
@@ -436,7 +437,7 @@ def test_fuzzed_image_parts_never_5xx_and_refusals_change_nothing(fuzzed, reques
     response = fuzzed.client.post(path, json=body, headers={"x-api-key": KEYS["agent"]})
     assert response.status_code in (200, 400), (route, body, response.status_code, response.text)
     if response.status_code == 400:
-        assert error_message(response.request.url.path, response.json())
+        assert error_message(response)
         assert fuzzed.rows() == before, (route, body, response.text)
     else:
         images = fuzzed.rows()[3]
