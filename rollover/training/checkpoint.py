@@ -6,6 +6,7 @@ KL coefficient). A checkpoint exists only once it is complete; `checkpoints/late
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,7 +21,9 @@ class Checkpointable(Protocol):
 
 
 def save_checkpoint(run_dir: Path, step: int, actor: Checkpointable, trainer_state: dict[str, Any]) -> Path:
-    """Write step `step`'s checkpoint under `run_dir/checkpoints`, then point `latest` at it."""
+    """Write step `step`'s checkpoint under `run_dir/checkpoints`, then point `latest` at it
+    (a whole new file renamed over the old: a kill at any moment leaves one pointer or the other,
+    never an empty one that would make a resumed run start over)."""
     root = run_dir / "checkpoints"
     final = root / f"step_{step}"
     partial = root / f".step_{step}.partial"
@@ -31,5 +34,7 @@ def save_checkpoint(run_dir: Path, step: int, actor: Checkpointable, trainer_sta
     if final.exists():
         shutil.rmtree(final)
     partial.rename(final)  # a checkpoint exists only once it is complete
-    (root / "latest").write_text(final.name)
+    staged = root / ".latest.partial"
+    staged.write_text(final.name)
+    os.replace(staged, root / "latest")
     return final

@@ -3,7 +3,7 @@ of a run that then resumes on a different number of ranks.
 
 One run folder goes through three runs: 2 ranks and 2 engines from one `rollover train`
 command (3 steps), then `resume=true` on 1 rank killed with SIGKILL after its first
-checkpoint, then `resume=true` again to the end. Apart: two "nodes" on loopback (two
+checkpoint (wherever the kill lands after it), then `resume=true` again for one more step. Apart: two "nodes" on loopback (two
 launcher invocations with a c10d rendezvous, one rank and one engine each)."""
 
 from __future__ import annotations
@@ -128,21 +128,28 @@ def test_resume_on_two_ranks(two_rank_run, calc_model, tmp_path):
 
 
 def test_resume_on_one_rank_after_a_kill_9(two_rank_run, calc_model):
+    """The killed run has steps to spare, so it is still training whenever the kill lands; the
+    resumed run goes one step past whatever checkpoint the killed one left (step 4, or step 5
+    when that step was quick enough to finish before the kill)."""
     root, run_dir = two_rank_run, two_rank_run / "ranks"
     marker = uuid.uuid4().hex
     env = {**os.environ, "ROLLOVER_TEST_RUN": marker}
-    one_rank = ("resume=true", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=5")
+    one_rank = ("resume=true", "trainer.n_gpus_per_node=1")
     with open(root / "killed.log", "wb") as log:
         killed = subprocess.Popen(
-            train_command(root, calc_model, *one_rank), stdout=log, stderr=subprocess.STDOUT, env=env
+            train_command(root, calc_model, *one_rank, "trainer.total_training_steps=100"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
     deadline = time.monotonic() + 420
     latest = run_dir / "checkpoints" / "latest"
-    while time.monotonic() < deadline and latest.read_text() != "step_4":
+    while time.monotonic() < deadline and latest.read_text() == "step_3":
         assert killed.poll() is None, (root / "killed.log").read_text()[-3000:]
         time.sleep(0.5)
-    assert latest.read_text() == "step_4", (root / "killed.log").read_text()[-3000:]
-    time.sleep(1.0)  # let step 5 get under way: rollouts in flight when the trainer dies
+    assert latest.read_text() != "step_3", (root / "killed.log").read_text()[-3000:]
+    time.sleep(1.0)  # let the next step get under way: rollouts in flight when the trainer dies
+    assert killed.poll() is None, (root / "killed.log").read_text()[-3000:]
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     # Parent-death signals take the gateway, vLLM and the agents down with the trainer.
@@ -151,12 +158,20 @@ def test_resume_on_one_rank_after_a_kill_9(two_rank_run, calc_model):
         time.sleep(0.5)
     assert processes_carrying(marker) == set()
 
-    finished = subprocess.run(train_command(root, calc_model, *one_rank), capture_output=True, text=True, timeout=600)
+    left = int(latest.read_text().removeprefix("step_"))
+    assert left >= 4
+    last = left + 1
+    finished = subprocess.run(
+        train_command(root, calc_model, *one_rank, f"trainer.total_training_steps={last}"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert finished.returncode == 0, finished.stderr[-3000:]
-    assert "resumed step_4" in finished.stderr
+    assert f"resumed step_{left}" in finished.stderr, finished.stderr[-3000:]
     world_sizes = {r["step"]: r["trainer/world_size"] for r in training_rows(run_dir)}
-    assert world_sizes == {1: 2, 2: 2, 3: 2, 4: 1, 5: 1}
-    assert latest.read_text() == "step_5"
+    assert world_sizes == {1: 2, 2: 2, 3: 2} | dict.fromkeys(range(4, last + 1), 1)
+    assert latest.read_text() == f"step_{last}"
     with sqlite3.connect(run_dir / "store.db") as db:
         unfinished = db.execute("SELECT COUNT(*) FROM rollouts WHERE state IN ('queuing', 'running')").fetchone()[0]
         aborted = db.execute(
@@ -164,12 +179,12 @@ def test_resume_on_one_rank_after_a_kill_9(two_rank_run, calc_model):
         ).fetchone()[0]
     assert unfinished == 0
     assert aborted > 0  # the dead run's rollouts were reconciled, not left running
-    state = json.loads((run_dir / "checkpoints" / "step_5" / "trainer_state.json").read_text())
+    state = json.loads((run_dir / "checkpoints" / f"step_{last}" / "trainer_state.json").read_text())
     # Every step updated: no step trained on nothing (the killed run's first step resumed the
     # first run's last checkpoint, whose carry-over that run aborted as it finished).
     skipped = {r["step"]: r["training/update_skipped"] for r in training_rows(run_dir)}
-    assert skipped == dict.fromkeys(range(1, 6), 0.0), (root / "killed.log").read_text()[-3000:]
-    assert state["global_step"] == 5 and state["policy_version"] == 5
+    assert skipped == dict.fromkeys(range(1, last + 1), 0.0), (root / "killed.log").read_text()[-3000:]
+    assert state["global_step"] == last and state["policy_version"] == last
 
 
 def free_port() -> int:
