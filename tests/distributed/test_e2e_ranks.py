@@ -3,8 +3,9 @@ of a run that then resumes on a different number of ranks.
 
 One run folder goes through three runs: 2 ranks and 2 engines from one `rollover train`
 command (3 steps), then `resume=true` on 1 rank killed with SIGKILL after its first
-checkpoint (wherever the kill lands after it), then `resume=true` again for one more step. Apart: two "nodes" on loopback (two
-launcher invocations with a c10d rendezvous, one rank and one engine each)."""
+checkpoint (wherever the kill lands after it), then `resume=true` again for one more step.
+Apart: two "nodes" on loopback (two launcher invocations with a c10d rendezvous, one rank and
+one engine each)."""
 
 from __future__ import annotations
 
