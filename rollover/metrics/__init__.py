@@ -63,6 +63,8 @@ class MetricsLogger:
         self.loggers = set(loggers)
         self.console = console or Console(stderr=True)
         self.jsonl_path = self.run_dir / "metrics.jsonl"
+        if "jsonl" in self.loggers:
+            drop_torn_row(self.jsonl_path)
         self._jsonl = open(self.jsonl_path, "a") if "jsonl" in self.loggers else None
         self._wandb = None
         if "wandb" in self.loggers:
@@ -102,6 +104,17 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def drop_torn_row(path: Path) -> None:
+    """Cut a last row that has no newline: a run killed while writing it left it half-written,
+    and a resumed run's first row would otherwise be glued onto it (one line no reader parses)."""
+    if not path.is_file():
+        return
+    with open(path, "rb+") as handle:
+        data = handle.read()
+        if data and not data.endswith(b"\n"):
+            handle.truncate(data.rfind(b"\n") + 1)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

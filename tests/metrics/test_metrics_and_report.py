@@ -42,6 +42,16 @@ def recorded_run(tmp_path):
     return tmp_path
 
 
+def test_a_row_torn_by_a_kill_is_cut_before_the_resumed_run_appends(tmp_path):
+    whole = json.dumps({"step": 1, "time": 0.0, "actor/pg_loss": 0.5}) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(whole + '{"step": 2, "time": 1.0, "actor/pg')
+    logger = MetricsLogger(tmp_path, ["jsonl"])
+    logger.log(2, {"actor/pg_loss": 0.25})
+    logger.close()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["actor/pg_loss"]) for r in rows] == [(1, 0.5), (2, 0.25)]
+
+
 def test_report_png_has_axes_with_data(tmp_path):
     out = write_report(recorded_run(tmp_path))
     image = mpimg.imread(out)
