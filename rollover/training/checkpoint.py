@@ -27,7 +27,9 @@ def save_checkpoint(run_dir: Path, step: int, actor: Checkpointable, trainer_sta
     root = run_dir / "checkpoints"
     final = root / f"step_{step}"
     partial = root / f".step_{step}.partial"
-    partial.mkdir(parents=True, exist_ok=True)
+    if partial.exists():  # a run killed while saving this step left it: none of it is kept
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
     actor.save(partial / "model")  # what engines and users load
     actor.save_training_state(partial / TRAINING_STATE)
     (partial / "trainer_state.json").write_text(json.dumps(trainer_state))

@@ -49,3 +49,15 @@ def test_a_death_while_the_pointer_is_written_leaves_the_last_one(tmp_path, monk
     # The next save (the resumed run's) replaces the stale pieces.
     save_checkpoint(tmp_path, 2, Files(), {"global_step": 2})
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_2"
+
+
+def test_a_save_cut_short_leaves_nothing_in_the_next(tmp_path):
+    """A kill while step 2 was being saved left its half-written folder (here: a shard of a run
+    on more ranks); the resumed run's save of step 2 starts from an empty one."""
+    save_checkpoint(tmp_path, 1, Files(), {"global_step": 1})
+    stale = tmp_path / "checkpoints" / ".step_2.partial" / "training_state"
+    stale.mkdir(parents=True)
+    (stale / "__1_0.distcp").write_text("a shard of the dead run")
+    saved = save_checkpoint(tmp_path, 2, Files(), {"global_step": 2})
+    assert sorted(p.name for p in (saved / "training_state").iterdir()) == ["shard"]
+    assert not (tmp_path / "checkpoints" / ".step_2.partial").exists()
