@@ -63,9 +63,10 @@ class MetricsLogger:
         self.loggers = set(loggers)
         self.console = console or Console(stderr=True)
         self.jsonl_path = self.run_dir / "metrics.jsonl"
+        self._jsonl = None
         if "jsonl" in self.loggers:
             drop_torn_row(self.jsonl_path)
-        self._jsonl = open(self.jsonl_path, "a") if "jsonl" in self.loggers else None
+            self._jsonl = open(self.jsonl_path, "a")
         self._wandb = None
         if "wandb" in self.loggers:
             import wandb
