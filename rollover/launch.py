@@ -79,14 +79,6 @@ def write_private(path: Path, text: str) -> None:
     path.chmod(0o600)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    checkpoint = run_dir / "checkpoints" / pointer.read_text().strip()
-    return checkpoint if (checkpoint / "trainer_state.json").is_file() else None
-
-
 def run_training(
     config: RolloverConfig,
     engine: VLLMEngine | None = None,
@@ -148,6 +140,7 @@ async def _run(
     from rollover.metrics import MetricsLogger
     from rollover.metrics.console import LiveConsole, RunSummary
     from rollover.training.actor import Actor
+    from rollover.training.checkpoint import latest_checkpoint
     from rollover.training.data import read_tasks
     from rollover.training.images import SampleImages
     from rollover.training.settings import TrainerSettings

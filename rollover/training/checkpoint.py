@@ -40,3 +40,12 @@ def save_checkpoint(run_dir: Path, step: int, actor: Checkpointable, trainer_sta
     staged.write_text(final.name)
     os.replace(staged, root / "latest")
     return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint `checkpoints/latest` names, if it is whole; None for a fresh run."""
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    checkpoint = run_dir / "checkpoints" / pointer.read_text().strip()
+    return checkpoint if (checkpoint / "trainer_state.json").is_file() else None

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rollover.launch import latest_checkpoint
-from rollover.training.checkpoint import save_checkpoint
+from rollover.training.checkpoint import latest_checkpoint, save_checkpoint
 
 
 class Files:
